@@ -1,0 +1,267 @@
+"""The simulated cluster: devices hosting nodes, node assignment, rounds, merges and the outer loop.
+
+The seam for a real multi-process backend is `RoundBackend.run_round(jobs) -> {trainer: RoundResult}`:
+it executes one round of node jobs and combines their results (the mean of the node weights, in
+fp32, summed in node-id order so the result never depends on thread timing). A torch.distributed
+backend would implement the same method with an all-reduce; algorithms/ and trainers.py stay as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from algorithms.assignment import assign_nodes, node_counts
+from algorithms.calc_batch import build_batch_test
+from algorithms.policies import build_merge_policy
+from algorithms.switch_mode import build_switch_mode
+from fabrics.dataset_loader import CorpusData, ShardSampler
+from fabrics.eval_tool import Evaluator
+from fabrics.models import float_state, replicate
+from trainers import TRAINERS, Node, NodeJob, NodeResult, Trainer
+from training_logs.training_monitoring import TrainingLogger
+from utils.checkpoint import save_checkpoint
+from utils.config import Config
+from utils.max_batch_calculator import find_max_batch_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundResult:
+    """One trainer's combined round: mean node weights plus what the batch test and the logs need."""
+
+    node_mean: dict[str, torch.Tensor]
+    nodes: list[int]
+    train_loss: float
+    tokens: int
+    optimizer_steps: int
+    grad_samples: torch.Tensor | None
+    sample_batch: float
+
+
+def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
+    by_trainer: dict[int, list[NodeResult]] = {}
+    for r in sorted(results, key=lambda r: r.node_id):
+        by_trainer.setdefault(r.trainer_id, []).append(r)
+    combined = {}
+    for trainer_id, group in by_trainer.items():
+        mean = {}
+        for name in group[0].state:
+            acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32)
+            for r in group:
+                acc += r.state[name].detach().to("cpu", torch.float32)
+            mean[name] = acc / len(group)
+        samples = [r.grad_samples for r in group if r.grad_samples is not None]
+        combined[trainer_id] = RoundResult(
+            node_mean=mean, nodes=[r.node_id for r in group],
+            train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
+            tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
+            grad_samples=torch.cat(samples) if samples else None,
+            sample_batch=group[0].sample_batch)
+    return combined
+
+
+class RoundBackend:
+    """Runs the jobs of one round on their nodes and combines the results per trainer."""
+
+    def __init__(self, nodes: list[Node], concurrent: bool) -> None:
+        self.nodes = nodes
+        self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
+
+    def run_round(self, jobs: list[NodeJob]) -> dict[int, RoundResult]:
+        if self.pool is None:
+            results = [self.nodes[j.node_id].run(j) for j in jobs]
+        else:
+            results = [f.result() for f in [self.pool.submit(self.nodes[j.node_id].run, j) for j in jobs]]
+        return combine(results)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def use_threads(cfg: Config) -> bool:
+    if cfg.node_execution != "auto":
+        return cfg.node_execution == "threads"
+    # Threads pay off when nodes sit on distinct accelerators; on CPU cores they only contend.
+    cuda = [d for d in cfg.devices if d.startswith("cuda")]
+    return len(set(cuda)) > 1 and len(cuda) == len(cfg.devices)
+
+
+class ClusterController:
+    def __init__(self, cfg: Config, model: torch.nn.Module, data: CorpusData, logger: TrainingLogger,
+                 weights_dir: Path) -> None:
+        self.cfg, self.data, self.logger, self.weights_dir = cfg, data, logger, weights_dir
+        algo = TRAINERS[cfg.distributed_algo]
+        make_optimizer = algo.inner_optimizer_factory(cfg)
+        self.switch_mode = build_switch_mode(cfg.switch_mode)
+        self.merge_policy = build_merge_policy(cfg.merging_policy)
+        self.batch_test = build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
+                                           max_batch=cfg.max_requested_batch)
+        self.nodes: list[Node] = []
+        for device in cfg.devices:
+            if cfg.max_batch_size:
+                max_batch = cfg.max_batch_size
+            else:
+                max_batch = find_max_batch_size(model, make_optimizer, device, cfg.seq_len,
+                                                padding_percentage=cfg.padding_percentage,
+                                                nodes_per_gpu=cfg.nodes_per_gpu,
+                                                device_memory_mb=cfg.device_memory_mb,
+                                                upper=min(cfg.max_requested_batch, len(data.train)))
+            for _ in range(cfg.nodes_per_gpu):
+                node = Node(len(self.nodes), device, replicate(model, device), make_optimizer, cfg.grad_clip,
+                            data.train)
+                node.max_batch = max_batch
+                self.nodes.append(node)
+        log.info("nodes: %s", ", ".join(f"{n.node_id}@{n.device} (max batch {n.max_batch})" for n in self.nodes))
+        initial = float_state(model)
+        parameter_names = {n for n, _ in model.named_parameters()}
+        self.trainers: dict[int, Trainer] = {
+            t: algo(t, initial, parameter_names, cfg, ShardSampler(len(data.train), cfg.training_seed * 1000 + t))
+            for t in range(cfg.num_init_trainers)}
+        self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
+        self.evaluator = Evaluator(replicate(model, cfg.devices[0]), data.val, cfg.eval_batch_size, cfg.devices[0])
+        self.backend = RoundBackend(self.nodes, use_threads(cfg))
+        self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
+        self.assignment: dict[int, list[int]] = {}
+        self.communications = 0  # outer synchronisations (one per trainer per round) and merges
+        self.bytes_communicated = 0
+
+    # -------------------------------------------------------------------------------------------
+    def _jobs(self) -> list[NodeJob]:
+        cfg = self.cfg
+        requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
+        self.assignment = assign_nodes(node_counts(requested, len(self.nodes)), self.owner)
+        jobs = []
+        for t in sorted(self.assignment):
+            trainer = self.trainers[t]
+            for node_id in self.assignment[t]:
+                node = self.nodes[node_id]
+                loader_batch, accumulation = self.switch_mode.decide(trainer.requested_batch, node.max_batch)
+                n = cfg.num_inner_steps * accumulation * loader_batch
+                indices = trainer.sampler.take(n).view(cfg.num_inner_steps, accumulation, loader_batch)
+                chunks = cfg.variance_micro_batches if cfg.variance_estimator == "micro_batches" else 1
+                jobs.append(NodeJob(node_id, t, trainer.master, indices, chunks,
+                                    reset_optimizer=self.owner[node_id] != t))
+        for t, node_ids in self.assignment.items():
+            for node_id in node_ids:
+                self.owner[node_id] = t
+        return jobs
+
+    def run_outer_step(self, outer_step: int) -> list[dict]:
+        """One round for every trainer, outer steps, evaluation, batch tests; returns the metric rows."""
+        jobs = self._jobs()
+        plan = {j.node_id: self.switch_mode.decide(self.trainers[j.trainer_id].requested_batch,
+                                                   self.nodes[j.node_id].max_batch) for j in jobs}
+        results = self.backend.run_round(jobs)
+        rows = []
+        for t in sorted(results):
+            trainer, res = self.trainers[t], results[t]
+            requested_before = trainer.requested_batch
+            trainer.outer_step(res.node_mean)
+            evaluation = self.evaluator.evaluate(trainer.master)
+            decision = self.batch_test(res.grad_samples, res.sample_batch, trainer.requested_batch, len(res.nodes))
+            trainer.requested_batch = decision.requested_batch
+            s = trainer.stats
+            s.sync_number += 1
+            s.optimizer_steps += res.optimizer_steps
+            s.tokens_seen += res.tokens
+            self.communications += 1
+            self.bytes_communicated += 2 * len(res.nodes) * self.param_bytes  # pseudo-grads up, weights down
+            loader_batch, accumulation = plan[res.nodes[0]]
+            rows.append({
+                "outer_step": outer_step, "trainer_id": t, "nodes": " ".join(map(str, res.nodes)),
+                "num_nodes": len(res.nodes), "requested_batch": requested_before, "loader_batch": loader_batch,
+                "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
+                "tokens_seen": s.tokens_seen, "train_loss": res.train_loss, "val_perplexity": evaluation.perplexity,
+                "next_requested_batch": decision.requested_batch, **decision.stats,
+                "communications": self.communications, "bytes_communicated": self.bytes_communicated})
+        return rows
+
+    def merge(self, outer_step: int) -> dict | None:
+        if not self.merge_policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
+            return None
+        requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
+        plan = self.merge_policy.plan(requested)
+        survivor = self.trainers[plan.survivor]
+        others = [self.trainers[m] for m in plan.members[1:]]
+        survivor.absorb(others, list(plan.weights))
+        for other in others:
+            del self.trainers[other.trainer_id]
+            survivor.stats.tokens_seen += other.stats.tokens_seen
+            survivor.stats.optimizer_steps += other.stats.optimizer_steps
+        moved = (len(plan.members) - 1) * self.param_bytes  # the absorbed weights travel to the survivor
+        self.communications += 1
+        self.bytes_communicated += moved
+        return {"outer_step": outer_step, "survivor": plan.survivor,
+                "merged": " ".join(map(str, plan.members[1:])),
+                "weights": " ".join(f"{w:.4f}" for w in plan.weights),
+                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": moved}
+
+    # -------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg = self.cfg
+        start = time.time()
+        initial = self.evaluator.evaluate(next(iter(self.trainers.values())).master)
+        log.info("outer step 0: validation perplexity %.2f (all trainers start from the same weights)",
+                 initial.perplexity)
+        self.logger.log_initial(initial.perplexity, list(self.trainers))
+        bar = tqdm(range(1, cfg.num_outer_steps + 1), desc="outer steps", unit="step", dynamic_ncols=True)
+        for outer_step in bar:
+            rows = self.run_outer_step(outer_step)
+            wall = time.time() - start
+            for row in rows:
+                row["wall_time"] = wall
+            merge_event = self.merge(outer_step)
+            self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
+            log.info(self._step_line(outer_step, rows, merge_event))
+            best = min(r["val_perplexity"] for r in rows)
+            bar.set_postfix(trainers=len(rows), ppl=f"{best:.1f}",
+                            batch=max(r["next_requested_batch"] for r in rows))
+            if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 and outer_step < cfg.num_outer_steps:
+                save_checkpoint(self.weights_dir, f"outer_step_{outer_step:04d}", self.trainers)
+            if outer_step % cfg.plot_every == 0:
+                self.logger.plot()
+        bar.close()
+        self.backend.close()
+        return self._finish(initial.perplexity, time.time() - start)
+
+    def _step_line(self, outer_step: int, rows: list[dict], merge_event: dict | None) -> str:
+        parts = [f"[outer {outer_step}/{self.cfg.num_outer_steps}] trainers {len(rows)}"]
+        for r in rows:
+            parts.append(f"T{r['trainer_id']} nodes [{r['nodes']}] req {r['requested_batch']} "
+                         f"loader {r['loader_batch']}x{r['accumulation_steps']} loss {r['train_loss']:.3f} "
+                         f"ppl {r['val_perplexity']:.2f} -> req {r['next_requested_batch']}")
+        if merge_event:
+            parts.append(f"merged T{merge_event['merged']} into T{merge_event['survivor']} "
+                         f"(weights {merge_event['weights']})")
+        return " | ".join(parts)
+
+    def _finish(self, initial_ppl: float, wall: float) -> dict:
+        scores = {t: self.evaluator.evaluate(tr.master).perplexity for t, tr in self.trainers.items()}
+        final_id = min(scores, key=lambda t: (scores[t], t))
+        final = self.trainers[final_id]
+        save_checkpoint(self.weights_dir, "final", self.trainers, self.evaluator.model, self.data.tokenizer, final_id)
+        self.logger.plot()
+        summary = {
+            "initial_val_perplexity": initial_ppl, "final_trainer": final_id,
+            "final_val_perplexity": scores[final_id], "surviving_trainers": scores,
+            "outer_steps": self.cfg.num_outer_steps, "wall_time_s": wall,
+            "tokens_seen": sum(t.stats.tokens_seen for t in self.trainers.values()),
+            "communications": self.communications, "bytes_communicated": self.bytes_communicated,
+            "final_requested_batch": final.requested_batch,
+            "max_batch_per_node": {n.node_id: n.max_batch for n in self.nodes},
+            "accumulation_used": self.logger.accumulation_used, "merges": self.logger.merges,
+            "batch_increases": self.logger.batch_increases,
+        }
+        if not math.isfinite(scores[final_id]):
+            log.warning("final perplexity is not finite")
+        return summary

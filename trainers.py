@@ -1,0 +1,230 @@
+"""Inner and outer optimisation: nodes run H inner steps; trainers apply the outer step.
+
+Node    one simulated worker: a model replica on its device and its own inner optimizer, both built
+        once. Each round it copies its trainer's weights in and takes `num_inner_steps` optimizer
+        steps (each over loader_batch x accumulation_steps sequences).
+Trainer one model instance: an fp32 master copy of the weights ("original_parameters" in torchft),
+        the requested batch and, for DiLoCo, the outer optimizer.
+
+Inner optimizer state: a node keeps its AdamW moments across rounds while it serves the same
+trainer. When it moves to another trainer (re-assignment or merge) its state is reset, because the
+moments describe another model's trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.policies import weighted_average
+from fabrics.dataset_loader import PackedData, ShardSampler
+from fabrics.models import float_state, load_float_state
+from utils.config import Config
+
+
+@dataclass
+class NodeJob:
+    """Everything a node needs for one round (built in the main thread, so no RNG is shared)."""
+
+    node_id: int
+    trainer_id: int
+    master: dict[str, torch.Tensor]  # the trainer's weights to start from (read only)
+    sample_indices: torch.Tensor  # [num_inner_steps, accumulation_steps, loader_batch]
+    grad_chunks: int  # 0: no gradient samples; 1: the last step's gradient; k >= 2: k micro-batch gradients
+    reset_optimizer: bool
+
+
+@dataclass
+class NodeResult:
+    node_id: int
+    trainer_id: int
+    state: dict[str, torch.Tensor]  # the node's final weights (references into its replica)
+    step_losses: list[float]  # mean loss of each optimizer step
+    tokens: int
+    grad_samples: torch.Tensor | None = None  # [k, P] fp32 on CPU
+    sample_batch: float = 0.0  # sequences behind each gradient sample
+
+
+class Node:
+    def __init__(self, node_id: int, device: str, model: torch.nn.Module, make_optimizer, grad_clip: float,
+                 data: PackedData) -> None:
+        self.node_id, self.device, self.model = node_id, device, model
+        self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.max_batch = 0
+
+    def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
+        ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
+        mask = self.data.attention_mask[idx].to(self.device, non_blocking=True)
+        # The model shifts labels by one itself; padding is excluded from the loss.
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        (loss * scale).backward()
+        return loss.detach()
+
+    def _flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def _last_step_with_samples(self, idx: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The last step's batch in `chunks` pieces, recording each piece's gradient at the same point.
+
+        Each piece's loss is weighted by its share of the batch, so the accumulated gradient is the
+        same as in a normal step; piece i's own gradient is (acc_i - acc_{i-1}) / share_i.
+        """
+        flat = idx.reshape(-1)
+        pieces = torch.tensor_split(flat, min(max(chunks, idx.shape[0]), len(flat)))
+        samples, losses = [], []
+        previous = torch.zeros(sum(p.numel() for p in self.params), device=self.device)
+        for piece in pieces:
+            share = len(piece) / len(flat)
+            losses.append(self._forward_backward(piece, share) * share)
+            current = self._flat_grad()
+            samples.append(((current - previous) / share).float().cpu())
+            previous = current
+        return torch.stack(losses).sum(), torch.stack(samples), len(flat) / len(pieces)
+
+    def run(self, job: NodeJob) -> NodeResult:
+        if job.reset_optimizer or self.optimizer is None:
+            self.optimizer = self.make_optimizer(self.params)
+        load_float_state(self.model, job.master)
+        self.model.train()
+        steps, accumulation, _ = job.sample_indices.shape
+        losses, grad_samples, sample_batch = [], None, 0.0
+        for step in range(steps):
+            idx = job.sample_indices[step]
+            if step == steps - 1 and job.grad_chunks >= 2:
+                loss, grad_samples, sample_batch = self._last_step_with_samples(idx, job.grad_chunks)
+            else:
+                loss = sum(self._forward_backward(micro, 1.0 / accumulation) for micro in idx) / accumulation
+                if step == steps - 1 and job.grad_chunks == 1:
+                    grad_samples, sample_batch = self._flat_grad().float().cpu()[None], float(idx.numel())
+            losses.append(loss)
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
+        step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
+        return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,
+                          sample_batch)
+
+
+@dataclass
+class TrainerStats:
+    sync_number: int = 0  # outer steps taken
+    optimizer_steps: int = 0  # inner optimizer steps over all nodes
+    tokens_seen: int = 0
+
+
+class Trainer:
+    """One model instance. Subclasses define the inner optimizer and the outer step."""
+
+    algorithm = ""
+
+    def __init__(self, trainer_id: int, initial_state: dict[str, torch.Tensor], parameter_names: set[str],
+                 cfg: Config, sampler: ShardSampler) -> None:
+        self.trainer_id = trainer_id
+        # fp32 master copy on CPU: off the accelerators, as OpenDiLoCo, prime and torchft do.
+        self.master = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in initial_state.items()}
+        self.parameter_names = parameter_names
+        self.requested_batch = cfg.initial_batch_size
+        self.sampler = sampler
+        self.stats = TrainerStats()
+        self.cfg = cfg
+
+    @staticmethod
+    def inner_optimizer_factory(cfg: Config):
+        raise NotImplementedError
+
+    def outer_step(self, node_mean: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def absorb(self, others: list[Trainer], weights: list[float]) -> None:
+        """Become the batch-weighted average of self and `others` (weights[0] is self's)."""
+        self.master = weighted_average([self.master] + [o.master for o in others], weights)
+
+    def state_dict(self) -> dict:
+        return {"trainer_id": self.trainer_id, "algorithm": self.algorithm, "requested_batch": self.requested_batch,
+                "sampler": self.sampler.state_dict(), "stats": dict(vars(self.stats))}
+
+
+class LocalSGDTrainer(Trainer):
+    """Inner SGD; the outer step replaces the weights by the nodes' plain average (Stich 2019)."""
+
+    algorithm = "LocalSGD"
+
+    @staticmethod
+    def inner_optimizer_factory(cfg: Config):
+        return lambda params: torch.optim.SGD(params, lr=cfg.lr_inner)
+
+    @torch.no_grad()
+    def outer_step(self, node_mean):
+        for name, value in node_mean.items():
+            self.master[name].copy_(value)
+
+
+class DiLoCoTrainer(Trainer):
+    """Inner AdamW; outer SGD (optionally Nesterov) on the averaged pseudo-gradient (Douillard et al. 2024).
+
+    pseudo_grad = master - mean(node weights) is set as .grad of the fp32 master parameters and a real
+    torch.optim.SGD steps them (paper: plain SGD, lr 0.5; DiLoCo: Nesterov 0.9, lr 0.7).
+    Merge rule for the outer state: momentum buffers are averaged with the same batch weights as the
+    weights themselves (a trainer without a buffer counts as zero momentum).
+    """
+
+    algorithm = "DiLoCo"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = self.cfg
+        for name in self.parameter_names:
+            self.master[name].requires_grad_(True)
+        self.outer_optimizer = torch.optim.SGD([self.master[n] for n in sorted(self.parameter_names)],
+                                               lr=cfg.lr_outer, momentum=cfg.outer_momentum,
+                                               nesterov=cfg.outer_nesterov)
+
+    @staticmethod
+    def inner_optimizer_factory(cfg: Config):
+        return lambda params: torch.optim.AdamW(params, lr=cfg.lr_inner, betas=tuple(cfg.inner_betas),
+                                                weight_decay=cfg.inner_weight_decay)
+
+    @torch.no_grad()
+    def outer_step(self, node_mean):
+        for name, value in node_mean.items():
+            master = self.master[name]
+            if name in self.parameter_names:
+                master.grad = master - value.to(master.dtype)  # pseudo-gradient: points away from the nodes
+            else:
+                master.copy_(value)  # floating buffers follow the nodes' average
+        if not all(torch.isfinite(self.master[n].grad).all() for n in self.parameter_names):
+            raise FloatingPointError(f"trainer {self.trainer_id}: non-finite pseudo-gradient; lower lr_inner")
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def absorb(self, others, weights):
+        members = [self] + others
+        momenta = []
+        for name in sorted(self.parameter_names):
+            bufs = [m.outer_optimizer.state.get(m.master[name], {}).get("momentum_buffer") for m in members]
+            momenta.append(bufs)
+        super().absorb(others, weights)
+        for name in self.parameter_names:
+            self.master[name].requires_grad_(True)
+        params = [self.master[n] for n in sorted(self.parameter_names)]
+        state = self.outer_optimizer.state_dict()
+        self.outer_optimizer = torch.optim.SGD(params, **{k: v for k, v in state["param_groups"][0].items()
+                                                          if k in ("lr", "momentum", "nesterov", "dampening",
+                                                                   "weight_decay")})
+        for param, bufs in zip(params, momenta):
+            if any(b is not None for b in bufs):
+                avg = sum(w * (b if b is not None else torch.zeros_like(param)) for w, b in zip(weights, bufs))
+                self.outer_optimizer.state[param]["momentum_buffer"] = avg
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "outer_optimizer": self.outer_optimizer.state_dict()}
+
+
+TRAINERS = {cls.algorithm: cls for cls in (LocalSGDTrainer, DiLoCoTrainer)}

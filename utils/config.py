@@ -1,0 +1,294 @@
+"""Typed run configuration: parsed from config.yaml once, validated, then read as attributes.
+
+Key names follow the authors' repository (num_outer_steps, lr_inner, ETA, vartheta, ...), so their
+users feel at home. Precedence: command-line `key=value` overrides > YAML file > defaults here.
+Every field carries a `doc` (printed by `python -m utils.config --markdown`, used for the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from utils.errors import ConfigError
+
+
+def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, **bounds: float) -> Any:
+    """A dataclass field with documentation, optional choices and numeric bounds (min / max)."""
+    meta = {"doc": doc, "choices": choices, **bounds}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: _copy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _copy(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value)
+    return type(value)(value)
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("microllama-tiny", "Model preset (microllama-tiny, microllama-mini, microllama-300m), "
+                   "a local model directory, or a Hugging Face id such as keeeeenw/MicroLlama.")
+    pretrained: bool = _f(False, "Load pretrained weights (local directory or HF cache, offline-safe) "
+                          "instead of initialising from the config with training_seed.")
+
+
+@dataclass
+class Config:
+    # --- run and logs ---
+    project_name: str = _f("Multi instance training", "Project name for experiment trackers.")
+    task_name: str = _f("AdLoCo", "Task (run) name for experiment trackers.")
+    training_seed: int = _f(42, "Seed of every random choice: model init, data order, shards.", min=0)
+    log_dir: str = _f("logs", "Root directory of run directories.")
+    log_file: str = _f("training_log.log", "Name of the text log inside the run directory.")
+    run_name: str = _f("", "Run directory name; empty = <model>_<dataset>_<YYYY_MM_DD_HH_MM_SS>.")
+    # --- cluster ---
+    devices: list[str] = _f(["cpu", "cpu"], "Simulated devices, each hosting nodes_per_gpu nodes "
+                            "(cpu, cuda, cuda:0, cuda:1, ...).")
+    nodes_per_gpu: int = _f(2, "Nodes (training streams) per simulated device.", min=1)
+    node_execution: str = _f("auto", "How the nodes of a round run: threads (concurrent, as in the paper), "
+                             "sequential, or auto (threads only when nodes sit on distinct CUDA devices). "
+                             "Results do not depend on it.", choices=("auto", "threads", "sequential"))
+    padding_percentage: float = _f(0.9, "Fraction of a device's memory budget usable by its nodes "
+                                   "(safety margin of the max-batch probe).", min=0.05, max=1.0)
+    device_memory_mb: float = _f(0.0, "Memory of one simulated CPU device in MiB for the max-batch probe "
+                                 "(0 = 40% of system RAM). Ignored on CUDA, where the real free memory is used.",
+                                 min=0.0)
+    max_batch_size: int = _f(0, "Largest micro-batch per node; 0 = find it with the memory probe.", min=0)
+    # --- data ---
+    dataset: str = _f("embedded", "Training corpus. embedded = English text shipped in the exllamav2 "
+                      "wheel (no Hub needed).", choices=("embedded",))
+    embedded_sources: list[str] = _f(["wiki", "c4", "tiny"], "Parts of the embedded corpus: "
+                                     "wiki, c4, tiny (TinyStories).")
+    data_sample_size: int = _f(0, "Number of training sequences to use; 0 = all.", min=0)
+    val_size: int = _f(64, "Number of held-out validation sequences.", min=1)
+    seq_len: int = _f(128, "Tokens per packed training sequence.", min=8)
+    tokenizer: str = _f("auto", "auto = MicroLlama's tokenizer if available locally, else a BPE trained on "
+                        "the training split; bpe = always train; or a local directory / HF id.")
+    tokenizer_vocab_size: int = _f(4096, "Vocabulary size of the trained BPE tokenizer.", min=300)
+    cache_dir: str = _f("~/.cache/adloco", "Cache for the downloaded wheel, tokenizers and tokenized data.")
+    # --- model ---
+    model_type: str = _f("microllama", "Model family: microllama (transformers LlamaForCausalLM).",
+                         choices=("microllama",))
+    model_config: ModelConfig = _f(ModelConfig(), "Model name and weights (see model_config.* keys).")
+    # --- algorithm ---
+    distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient) or "
+                               "LocalSGD (inner SGD, outer = plain average).", choices=("DiLoCo", "LocalSGD"))
+    num_outer_steps: int = _f(12, "Outer steps (synchronisation rounds).", min=1)
+    num_inner_steps: int = _f(20, "Inner optimizer steps per node per round (not micro-batches).", min=1)
+    lr_inner: float = _f(3e-3, "Inner learning rate (AdamW for DiLoCo, SGD for LocalSGD).", min=0.0)
+    lr_outer: float = _f(0.5, "Outer SGD learning rate (DiLoCo). Paper: 0.5; DiLoCo paper: 0.7.", min=0.0)
+    outer_momentum: float = _f(0.0, "Outer SGD momentum. Paper: 0 (plain SGD); DiLoCo paper: 0.9.",
+                               min=0.0, max=0.999)
+    outer_nesterov: bool = _f(False, "Nesterov outer momentum (DiLoCo paper: true; needs outer_momentum > 0).")
+    inner_weight_decay: float = _f(0.1, "AdamW weight decay of the inner optimizer (paper: 0.1).", min=0.0)
+    inner_betas: list[float] = _f([0.9, 0.95], "AdamW betas of the inner optimizer.")
+    grad_clip: float = _f(1.0, "Inner gradient-norm clipping; 0 disables.", min=0.0)
+    # --- multi-instance training ---
+    num_init_trainers: int = _f(4, "Model instances (trainers) at the start.", min=1)
+    merging_policy: str = _f("worst_with_worst", "Which trainers merge: worst_with_worst (paper: the two "
+                             "smallest requested batches) or best_with_worst.",
+                             choices=("worst_with_worst", "best_with_worst"))
+    merge_frequency: int = _f(3, "Merge two trainers every this many outer steps; 0 disables merging.", min=0)
+    # --- adaptive batching ---
+    initial_batch_size: int = _f(2, "Requested batch per node at the start.", min=1)
+    max_requested_batch: int = _f(4096, "Upper bound of the requested batch.", min=1)
+    sampling_method: str = _f("norm_test", "Batch-size test: norm_test, augmented_inner_product_test, constant.",
+                              choices=("norm_test", "augmented_inner_product_test", "constant"))
+    ETA: float = _f(0.8, "eta of the norm test (larger = smaller batches).", min=1e-6)
+    vartheta: float = _f(0.01, "vartheta of the inner-product term of the augmented inner product test.",
+                         min=1e-6)
+    nu: float = _f(0.3, "nu of the orthogonality term of the augmented inner product test.", min=1e-6)
+    variance_estimator: str = _f("micro_batches", "Gradient samples of the batch tests: micro_batches "
+                                 "(chunks of each node's last step, same point; works with one node) or nodes "
+                                 "(each node's last gradient, as in the paper; needs >= 2 nodes).",
+                                 choices=("micro_batches", "nodes"))
+    variance_micro_batches: int = _f(4, "Chunks per node for the micro_batches estimator.", min=2)
+    switch_mode: str = _f("threshold_switch_mode", "How a requested batch above max_batch is run: "
+                          "threshold_switch_mode (accumulate only above 2x max_batch), "
+                          "only_gradient_accumulation, only_data_loader.",
+                          choices=("threshold_switch_mode", "only_gradient_accumulation", "only_data_loader"))
+    # --- evaluation and outputs ---
+    eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
+    save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
+                                 min=0)
+    plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end).", min=1)
+
+    def __post_init__(self) -> None:
+        if self.outer_nesterov and self.outer_momentum == 0:
+            raise ConfigError("outer_nesterov", "Nesterov needs outer_momentum > 0 (DiLoCo uses 0.9)")
+        if len(self.inner_betas) != 2 or not all(0 <= b < 1 for b in self.inner_betas):
+            raise ConfigError("inner_betas", f"expected two numbers in [0, 1), got {self.inner_betas}")
+        if not self.devices:
+            raise ConfigError("devices", "at least one device is needed")
+        for device in self.devices:
+            if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+                raise ConfigError("devices", f"'{device}' is not cpu, cuda or cuda:N")
+        total_nodes = len(self.devices) * self.nodes_per_gpu
+        if self.num_init_trainers > total_nodes:
+            raise ConfigError("num_init_trainers", f"{self.num_init_trainers} trainers need at least as many "
+                              f"nodes, but devices x nodes_per_gpu = {total_nodes}")
+        if self.initial_batch_size > self.max_requested_batch:
+            raise ConfigError("initial_batch_size", "is larger than max_requested_batch")
+        unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
+        if unknown or not self.embedded_sources:
+            raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
+
+    @property
+    def total_nodes(self) -> int:
+        return len(self.devices) * self.nodes_per_gpu
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
+    """Check `value` against the annotated type `tp`; numeric strings like "2e-5" become floats."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+        return _build(tp, value, prefix=f"{key}.")
+    if origin in (list,):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list of {_type_name(item_tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp, {}) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {value!r}")
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {value!r}")
+    elif tp is float:
+        # PyYAML reads 2e-5 (no dot) as a string, and the authors' config quotes its learning rates.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(key, f"expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {value!r}")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        hint = difflib.get_close_matches(str(value), choices, n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(key, f"'{value}' is not one of {', '.join(choices)}{extra}")
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(key, f"{value} is below the minimum {meta['min']}")
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(key, f"{value} is above the maximum {meta['max']}")
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            extra = f"; did you mean '{prefix}{hint[0]}'?" if hint else ""
+            raise ConfigError(f"{prefix}{key}", f"unknown key{extra}")
+        kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key], dict(fields[key].metadata))
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - every field has a default
+        raise ConfigError(prefix.rstrip(".") or "config", str(exc)) from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`key=value` strings (values parsed as YAML, dotted keys for nested sections) into a nested dict."""
+    result: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(item, "command-line overrides must look like key=value")
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        node = result
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return result
+
+
+def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (optional), apply overrides, validate everything, return a Config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError("--config", f"{path} is not valid YAML{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError("--config", f"{path} must hold a mapping of keys to values")
+        raw = loaded or {}
+    _deep_update(raw, parse_overrides(overrides or []))
+    return _build(Config, raw)
+
+
+def markdown_table() -> str:
+    """The README's table of every key, its default and its meaning."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def walk(cls: type, prefix: str = "") -> None:
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                walk(type(default), f"{f.name}.")
+                continue
+            choices = f.metadata.get("choices")
+            doc = f.metadata["doc"] + (f" One of: {', '.join(choices)}." if choices else "")
+            rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {doc} |")
+
+    walk(Config)
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        print(markdown_table())

@@ -1,0 +1,130 @@
+"""Largest micro-batch per node that fits its share of a device's memory (paper: max_batch).
+
+CUDA: a binary search with real forward/backward/optimizer steps, measuring the allocator's peak and
+treating an out-of-memory error as "does not fit", within padding_percentage of the free memory
+divided among the device's nodes (as in the paper).
+CPU: the same binary search against a configured budget per simulated device (the paper simulated
+4 GPUs of fixed size on one card). Peak = parameters + gradients + optimizer states (measured after
+one real step) + the activations saved for backward (summed with saved_tensors_hooks in a real
+forward pass at the candidate batch).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+def _batch(seq_len: int, vocab: int, batch: int, device: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def _binary_search(fits: Callable[[int], bool], upper: int) -> int:
+    """Largest b in [1, upper] with fits(b), assuming monotonicity; 0 if even 1 does not fit."""
+    lo, hi = 0, 1
+    while hi <= upper and fits(hi):  # exponential growth first: cheap probes while small
+        lo, hi = hi, hi * 2
+    hi = min(hi, upper + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _static_bytes(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, vocab: int) -> int:
+    """Parameters + gradients + optimizer state, measured after one real step on a copy."""
+    probe = copy.deepcopy(model)
+    opt = make_optimizer(probe.parameters())
+    probe(**_batch(seq_len, vocab, 1, "cpu")).loss.backward()
+    opt.step()
+    tensors = [p for p in probe.parameters()] + [p.grad for p in probe.parameters() if p.grad is not None]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _activation_bytes(model: torch.nn.Module, seq_len: int, vocab: int, batch: int) -> int:
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(**_batch(seq_len, vocab, batch, "cpu"))
+    logits_bytes = out.logits.numel() * out.logits.element_size()
+    del out
+    return sum(seen.values()) + logits_bytes  # + the logits gradient during backward
+
+
+def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, budget_bytes: float,
+                  upper: int) -> int:
+    vocab = model.config.vocab_size
+    static = _static_bytes(model, make_optimizer, seq_len, vocab)
+    model.train()
+
+    def fits(b: int) -> bool:
+        return static + _activation_bytes(model, seq_len, vocab, b) <= budget_bytes
+
+    return _binary_search(fits, upper)
+
+
+def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, device: str,
+                   padding_percentage: float, nodes_per_gpu: int, upper: int) -> int:
+    dev = torch.device(device)
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    free, _ = torch.cuda.mem_get_info(dev)
+    budget = free * padding_percentage / nodes_per_gpu
+    base = torch.cuda.memory_allocated(dev)
+    probe = copy.deepcopy(model).to(dev)
+    opt = make_optimizer(probe.parameters())
+    vocab = model.config.vocab_size
+    log.info("%s: %.1f GiB total, %.1f GiB free, budget per node %.2f GiB", device, total / 2**30, free / 2**30,
+             budget / 2**30)
+
+    def fits(b: int) -> bool:
+        try:
+            torch.cuda.reset_peak_memory_stats(dev)
+            probe(**_batch(seq_len, vocab, b, device)).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            peak = torch.cuda.max_memory_allocated(dev) - base
+            return peak <= budget
+        except torch.cuda.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    try:
+        return _binary_search(fits, upper)
+    finally:
+        del probe, opt
+        torch.cuda.empty_cache()
+
+
+def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int, *,
+                        padding_percentage: float, nodes_per_gpu: int, device_memory_mb: float, upper: int) -> int:
+    """Largest micro-batch for one node of `device`; raises ValueError when not even 1 fits."""
+    if device.startswith("cuda"):
+        found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper)
+    else:
+        device_bytes = device_memory_mb * MiB if device_memory_mb > 0 else 0.4 * psutil.virtual_memory().total
+        budget = device_bytes * padding_percentage / nodes_per_gpu
+        found = cpu_max_batch(model, make_optimizer, seq_len, budget, upper)
+        log.info("%s: simulated device of %.0f MiB, budget per node %.1f MiB -> max batch %d", device,
+                 device_bytes / MiB, budget / MiB, found)
+    if found == 0:
+        raise ValueError(f"not even one sequence fits a node of {device}: raise device_memory_mb, lower "
+                         "nodes_per_gpu or seq_len")
+    return found
