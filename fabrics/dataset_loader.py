@@ -57,8 +57,8 @@ def fetch_wheel(cache_dir: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", "-d", tmp, WHEEL_SPEC]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, WHEEL_SPEC]
         log.info("fetching the embedded corpus: %s", " ".join(cmd[2:]))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
@@ -124,9 +124,9 @@ def build_tokenizer(cfg: Config, train_texts: list[str], cache_dir: Path) -> Pre
         try:
             tokenizer = AutoTokenizer.from_pretrained(choice, local_files_only=True)
         except (OSError, ValueError):
-            raise DataError(f"tokenizer: '{choice}' is neither a local directory nor in the Hugging Face cache") from None
-    elif choice == "auto" and _local_microllama_tokenizer() is not None:
-        tokenizer = _local_microllama_tokenizer()
+            raise DataError(f"tokenizer: '{choice}' is neither a local directory nor in the HF cache") from None
+    elif choice == "auto" and (local := _local_microllama_tokenizer()) is not None:
+        tokenizer = local
     else:
         digest = hashlib.sha256()
         for t in train_texts:

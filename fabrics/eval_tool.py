@@ -38,8 +38,9 @@ class Evaluator:
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             # Token t predicts token t+1: one shift, padding excluded from the targets.
             targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-            nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum",
-                                  ignore_index=-100)
+            logits = logits[:, :-1].flatten(0, 1)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
+            nll = F.cross_entropy(logits, targets.flatten(), reduction="sum", ignore_index=-100)
             total_nll += nll.double()
             total_tokens += int((targets != -100).sum())
         mean = float(total_nll) / max(total_tokens, 1)

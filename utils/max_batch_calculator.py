@@ -106,11 +106,7 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
         finally:
             torch.cuda.empty_cache()
 
-    try:
-        return _binary_search(fits, upper)
-    finally:
-        del probe, opt
-        torch.cuda.empty_cache()
+    return _binary_search(fits, upper)  # the probe replica is freed when this frame ends
 
 
 def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int, *,
@@ -118,6 +114,7 @@ def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device
     """Largest micro-batch for one node of `device`; raises ValueError when not even 1 fits."""
     if device.startswith("cuda"):
         found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper)
+        torch.cuda.empty_cache()
     else:
         device_bytes = device_memory_mb * MiB if device_memory_mb > 0 else 0.4 * psutil.virtual_memory().total
         budget = device_bytes * padding_percentage / nodes_per_gpu

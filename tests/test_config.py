@@ -1,0 +1,68 @@
+"""Config validation: one-line errors naming the key, exit code 2, before any work starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from utils.config import Config, load_config, markdown_table
+from utils.errors import ConfigError
+
+
+def test_default_config_file_is_valid():
+    cfg = load_config(ROOT / "config.yaml")
+    assert cfg.devices == ["cpu", "cpu"] and cfg.distributed_algo == "DiLoCo"
+
+
+def test_overrides_take_precedence_and_are_typed():
+    cfg = load_config(ROOT / "config.yaml", ["num_outer_steps=5", "lr_outer=0.7", "model_config.name=microllama-mini",
+                                             "devices=[cuda:0, cuda:1]"])
+    assert cfg.num_outer_steps == 5 and cfg.lr_outer == 0.7
+    assert cfg.model_config.name == "microllama-mini" and cfg.devices == ["cuda:0", "cuda:1"]
+
+
+def test_quoted_learning_rates_as_in_the_authors_config():
+    assert load_config(None, ['lr_inner="2e-5"']).lr_inner == pytest.approx(2e-5)
+
+
+@pytest.mark.parametrize("override,key,fragment", [
+    ("num_outer_step=3", "num_outer_step", "did you mean 'num_outer_steps'"),
+    ("num_outer_steps=abc", "num_outer_steps", "expected an integer"),
+    ("num_outer_steps=0", "num_outer_steps", "below the minimum"),
+    ("lr_inner=fast", "lr_inner", "expected a number"),
+    ("merging_policy=worst_with_best", "merging_policy", "did you mean"),
+    ("padding_percentage=1.5", "padding_percentage", "above the maximum"),
+    ("devices=[tpu]", "devices", "not cpu, cuda"),
+    ("num_init_trainers=9", "num_init_trainers", "at least as many nodes"),
+    ("model_config.pretrained=maybe", "model_config.pretrained", "true or false"),
+    ("model_config.nme=x", "model_config.nme", "did you mean 'model_config.name'"),
+    ("outer_nesterov=true", "outer_nesterov", "outer_momentum"),
+])
+def test_bad_values_name_the_key(override, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "config.yaml", [override])
+    assert err.value.key == key and fragment in str(err.value)
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_outer_steps: 3\nlr_outr: 0.5\n")
+    for args in (["--config", str(bad)], ["--config", str(tmp_path / "missing.yaml")], ["ETA=-1"]):
+        proc = subprocess.run([sys.executable, "run.py", *args, f"log_dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: config key"), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.glob("*/training_log.log"))  # nothing started
+
+
+def test_every_key_is_documented_in_readme_and_config_yaml():
+    readme = (ROOT / "README.md").read_text()
+    config_yaml = (ROOT / "config.yaml").read_text()
+    for line in markdown_table().splitlines()[2:]:
+        key = line.split("`")[1]
+        assert f"`{key}`" in readme, key
+        assert key.split(".")[-1] + ":" in config_yaml, key
+    assert set(Config().to_dict())  # the table is built from the dataclass itself

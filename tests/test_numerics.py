@@ -1,0 +1,148 @@
+"""Inner step, outer step, label shift, padding and evaluation against direct computation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fabrics.dataset_loader import PackedData, ShardSampler, pack
+from fabrics.eval_tool import Evaluator
+from fabrics.models import float_state
+from trainers import DiLoCoTrainer, LocalSGDTrainer, Node, NodeJob
+from utils.config import load_config
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).double()
+
+
+def data(n=12, length=8, pad_last=0):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 50, (n, length), generator=gen)
+    mask = torch.ones_like(ids)
+    if pad_last:
+        ids[-1, -pad_last:] = 0
+        mask[-1, -pad_last:] = 0
+    return PackedData(ids, mask)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def run_one_step(indices, chunks=0):
+    model = tiny_model()
+    node = Node(0, "cpu", model, sgd, grad_clip=0.0, data=data())
+    start = {k: v.clone() for k, v in float_state(model).items()}
+    result = node.run(NodeJob(0, 0, start, indices, chunks, reset_optimizer=True))
+    # SGD with lr 1: the update is exactly minus the gradient of the step
+    return {k: start[k] - result.state[k] for k in start}, result
+
+
+def test_accumulated_gradient_equals_full_batch_gradient():
+    full, _ = run_one_step(torch.arange(6).view(1, 1, 6))
+    accumulated, _ = run_one_step(torch.arange(6).view(1, 3, 2))  # 3 micro-batches of 2, loss / 3
+    for name in full:
+        torch.testing.assert_close(accumulated[name], full[name], rtol=1e-9, atol=1e-12)
+
+
+def test_micro_batch_gradient_samples_average_to_step_gradient():
+    grad, result = run_one_step(torch.arange(6).view(1, 1, 6), chunks=3)
+    flat = torch.cat([grad[n].reshape(-1) for n, _ in tiny_model().named_parameters()])
+    assert result.grad_samples.shape[0] == 3 and result.sample_batch == 2
+    torch.testing.assert_close(result.grad_samples.double().mean(0), flat, rtol=1e-4, atol=1e-6)
+    full, _ = run_one_step(torch.arange(6).view(1, 1, 6))
+    for name in full:  # recording samples does not change the update
+        torch.testing.assert_close(grad[name], full[name], rtol=1e-9, atol=1e-12)
+
+
+def test_num_inner_steps_counts_optimizer_steps():
+    _, result = run_one_step(torch.arange(12).view(3, 2, 2))  # 3 steps of 2 micro-batches
+    assert len(result.step_losses) == 3
+    assert result.tokens == 12 * 8
+
+
+def test_loss_shifts_labels_once_and_masks_padding():
+    model = tiny_model()
+    d = data(pad_last=3)
+    node = Node(0, "cpu", model, sgd, 0.0, d)
+    idx = torch.tensor([10, 11])
+    loss = node._forward_backward(idx, 1.0)
+    logits = model(input_ids=d.input_ids[idx], attention_mask=d.attention_mask[idx]).logits
+    targets = d.input_ids[idx][:, 1:].masked_fill(d.attention_mask[idx][:, 1:] == 0, -100)
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 50), targets.reshape(-1), ignore_index=-100)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)  # HF computes the loss in fp32
+    # a double shift (the authors' bug) would give a different number
+    wrong = F.cross_entropy(logits[:, :-2].reshape(-1, 50), d.input_ids[idx][:, 2:].reshape(-1))
+    assert abs(loss.item() - wrong.item()) > 1e-3
+
+
+def test_perplexity_is_token_weighted_exactly():
+    model = tiny_model()
+    d = data(n=5, pad_last=5)
+    result = Evaluator(model, d, batch_size=2, device="cpu").evaluate()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(5):  # one sequence at a time, only its real tokens
+            n = int(d.attention_mask[i].sum())
+            logits = model(input_ids=d.input_ids[i : i + 1, :n]).logits[0]
+            total += F.cross_entropy(logits[:-1], d.input_ids[i, 1:n], reduction="sum").item()
+            count += n - 1
+    assert result.tokens == count
+    assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-9)
+
+
+def test_pack_masks_the_padded_tail():
+    packed = pack([[5, 6, 7], [8]], eos_id=1, pad_id=0, seq_len=4)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 1], [8, 1, 0, 0]]
+    assert packed.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+
+
+def test_shard_sampler_is_reproducible_and_covers_an_epoch():
+    a, b = ShardSampler(10, seed=3), ShardSampler(10, seed=3)
+    first = a.take(6)
+    assert torch.equal(first, b.take(6))
+    assert sorted(torch.cat([first, a.take(4)]).tolist()) == list(range(10))
+    assert len(a.take(15)) == 15 and a.epoch == 2
+
+
+def _trainers(cls, **overrides):
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    state = {"w": torch.tensor([1.0, 2.0])}
+    return [cls(i, state, {"w"}, cfg, ShardSampler(4, i)) for i in range(2)]
+
+
+def test_diloco_outer_step_plain_sgd():
+    (t, _) = _trainers(DiLoCoTrainer, lr_outer=0.5)
+    t.outer_step({"w": torch.tensor([0.5, 1.0])})  # pseudo-grad (0.5, 1.0)
+    assert t.master["w"].tolist() == pytest.approx([0.75, 1.5])
+
+
+def test_diloco_outer_step_nesterov():
+    (t, _) = _trainers(DiLoCoTrainer, lr_outer=0.7, outer_momentum=0.9, outer_nesterov="true")
+    t.outer_step({"w": torch.tensor([0.5, 1.0])})
+    # buf = g; update = g + 0.9 * buf = 1.9 g; w -= 0.7 * 1.9 * g
+    assert t.master["w"].tolist() == pytest.approx([1 - 0.665, 2 - 1.33])
+
+
+def test_localsgd_outer_step_is_the_average():
+    (t, _) = _trainers(LocalSGDTrainer)
+    t.outer_step({"w": torch.tensor([0.5, 1.0])})
+    assert t.master["w"].tolist() == [0.5, 1.0]
+
+
+def test_merge_averages_weights_and_outer_momentum():
+    a, b = _trainers(DiLoCoTrainer, lr_outer=1.0, outer_momentum=0.5)
+    a.outer_step({"w": torch.tensor([0.0, 2.0])})  # g = (1, 0): w = (0, 2), buf = (1, 0)
+    b.outer_step({"w": torch.tensor([1.0, 0.0])})  # g = (0, 2): w = (1, 0), buf = (0, 2)
+    a.absorb([b], [0.25, 0.75])
+    assert a.master["w"].tolist() == pytest.approx([0.75, 0.5])
+    buf = a.outer_optimizer.state[a.master["w"]]["momentum_buffer"]
+    assert buf.tolist() == pytest.approx([0.25, 1.5])
+    a.outer_step({"w": torch.tensor([0.75, 0.5])})  # g = 0: the step is the averaged momentum
+    assert a.master["w"].tolist() == pytest.approx([0.75 - 0.125, 0.5 - 0.75])
