@@ -18,6 +18,8 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from utils.errors import UserError
+
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 
@@ -111,7 +113,7 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
 
 def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int, *,
                         padding_percentage: float, nodes_per_gpu: int, device_memory_mb: float, upper: int) -> int:
-    """Largest micro-batch for one node of `device`; raises ValueError when not even 1 fits."""
+    """Largest micro-batch for one node of `device`; a UserError when not even one sequence fits."""
     if device.startswith("cuda"):
         found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper)
         torch.cuda.empty_cache()
@@ -122,6 +124,6 @@ def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device
         log.info("%s: simulated device of %.0f MiB, budget per node %.1f MiB -> max batch %d", device,
                  device_bytes / MiB, budget / MiB, found)
     if found == 0:
-        raise ValueError(f"not even one sequence fits a node of {device}: raise device_memory_mb, lower "
-                         "nodes_per_gpu or seq_len")
+        raise UserError(f"device_memory_mb: not even one sequence fits a node of {device}; raise device_memory_mb "
+                        "(CPU) or padding_percentage, or lower nodes_per_gpu or seq_len")
     return found

