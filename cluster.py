@@ -159,8 +159,8 @@ class ClusterController:
     def run_outer_step(self, outer_step: int) -> list[dict]:
         """One round for every trainer, outer steps, evaluation, batch tests; returns the metric rows."""
         jobs = self._jobs()
-        plan = {j.node_id: self.switch_mode.decide(self.trainers[j.trainer_id].requested_batch,
-                                                   self.nodes[j.node_id].max_batch) for j in jobs}
+        # (loader_batch, accumulation_steps) each node ran, read off its job's index tensor
+        plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
         results = self.backend.run_round(jobs)
         rows = []
         for t in sorted(results):
