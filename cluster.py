@@ -181,7 +181,7 @@ class ClusterController:
                 "outer_step": outer_step, "trainer_id": t, "nodes": " ".join(map(str, res.nodes)),
                 "num_nodes": len(res.nodes), "requested_batch": requested_before, "loader_batch": loader_batch,
                 "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
-                "tokens_seen": s.tokens_seen, "train_loss": res.train_loss, "val_perplexity": evaluation.perplexity,
+                "tokens_seen": s.tokens_seen, "train_loss": res.train_loss, **evaluation.metrics,
                 "next_requested_batch": decision.requested_batch, **decision.stats,
                 "communications": self.communications, "bytes_communicated": self.bytes_communicated})
         return rows
@@ -211,9 +211,8 @@ class ClusterController:
         cfg = self.cfg
         start = time.time()
         initial = self.evaluator.evaluate(next(iter(self.trainers.values())).master)
-        log.info("outer step 0: validation perplexity %.2f (all trainers start from the same weights)",
-                 initial.perplexity)
-        self.logger.log_initial(initial.perplexity, list(self.trainers))
+        log.info("outer step 0: %s %.4g (all trainers start from the same weights)", initial.name, initial.value)
+        self.logger.log_initial(initial.metrics, list(self.trainers))
         bar = tqdm(range(1, cfg.num_outer_steps + 1), desc="outer steps", unit="step", dynamic_ncols=True)
         for outer_step in bar:
             rows = self.run_outer_step(outer_step)
@@ -223,8 +222,9 @@ class ClusterController:
             merge_event = self.merge(outer_step)
             self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
             log.info(self._step_line(outer_step, rows, merge_event))
-            best = min(r["val_perplexity"] for r in rows)
-            bar.set_postfix(trainers=len(rows), ppl=f"{best:.1f}",
+            values = [r[self.evaluator.metric] for r in rows]
+            best = max(values) if self.evaluator.higher_is_better else min(values)
+            bar.set_postfix(trainers=len(rows), **{self.evaluator.metric[4:]: f"{best:.4g}"},
                             batch=max(r["next_requested_batch"] for r in rows))
             if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 and outer_step < cfg.num_outer_steps:
                 save_checkpoint(self.weights_dir, f"outer_step_{outer_step:04d}", self.trainers)
@@ -232,28 +232,30 @@ class ClusterController:
                 self.logger.plot()
         bar.close()
         self.backend.close()
-        return self._finish(initial.perplexity, time.time() - start)
+        return self._finish(initial.value, time.time() - start)
 
     def _step_line(self, outer_step: int, rows: list[dict], merge_event: dict | None) -> str:
+        metric = self.evaluator.metric
         parts = [f"[outer {outer_step}/{self.cfg.num_outer_steps}] trainers {len(rows)}"]
         for r in rows:
             parts.append(f"T{r['trainer_id']} nodes [{r['nodes']}] req {r['requested_batch']} "
                          f"loader {r['loader_batch']}x{r['accumulation_steps']} loss {r['train_loss']:.3f} "
-                         f"ppl {r['val_perplexity']:.2f} -> req {r['next_requested_batch']}")
+                         f"{metric[4:]} {r[metric]:.4g} -> req {r['next_requested_batch']}")
         if merge_event:
             parts.append(f"merged T{merge_event['merged']} into T{merge_event['survivor']} "
                          f"(weights {merge_event['weights']})")
         return " | ".join(parts)
 
-    def _finish(self, initial_ppl: float, wall: float) -> dict:
-        scores = {t: self.evaluator.evaluate(tr.master).perplexity for t, tr in self.trainers.items()}
-        final_id = min(scores, key=lambda t: (scores[t], t))
+    def _finish(self, initial_metric: float, wall: float) -> dict:
+        scores = {t: self.evaluator.evaluate(tr.master).value for t, tr in self.trainers.items()}
+        sign = -1 if self.evaluator.higher_is_better else 1
+        final_id = min(scores, key=lambda t: (sign * scores[t], t))
         final = self.trainers[final_id]
         save_checkpoint(self.weights_dir, "final", self.trainers, self.evaluator.model, self.data.tokenizer, final_id)
         self.logger.plot()
         summary = {
-            "initial_val_perplexity": initial_ppl, "final_trainer": final_id,
-            "final_val_perplexity": scores[final_id], "surviving_trainers": scores,
+            "metric": self.evaluator.metric, "initial_metric": initial_metric, "final_trainer": final_id,
+            "final_metric": scores[final_id], "surviving_trainers": scores,
             "outer_steps": self.cfg.num_outer_steps, "wall_time_s": wall,
             "tokens_seen": sum(t.stats.tokens_seen for t in self.trainers.values()),
             "communications": self.communications, "bytes_communicated": self.bytes_communicated,
@@ -263,5 +265,5 @@ class ClusterController:
             "batch_increases": self.logger.batch_increases,
         }
         if not math.isfinite(scores[final_id]):
-            log.warning("final perplexity is not finite")
+            log.warning("final %s is not finite", self.evaluator.metric)
         return summary

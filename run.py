@@ -52,16 +52,18 @@ def train(cfg: Config) -> tuple[Path, dict]:
     log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
              count_parameters(model) / 1e6)
     report_dir = run_dir / "model_training_report"
-    logger = TrainingLogger(report_dir, TrackerGroup([JsonlTracker(run_dir / "metrics.jsonl")]))
+    classification = data.val.labels is not None
+    logger = TrainingLogger(report_dir, TrackerGroup([JsonlTracker(run_dir / "metrics.jsonl")]),
+                            "val_accuracy" if classification else "val_perplexity", classification)
     try:
         cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights")
         summary = cluster.train()
     finally:
         logger.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("final model: trainer %d, validation perplexity %.2f (start %.2f); %d merges, %d batch increases, "
-             "accumulation used: %s; %d communications, %.1f MB; %.0f s", summary["final_trainer"],
-             summary["final_val_perplexity"], summary["initial_val_perplexity"], summary["merges"],
+    log.info("final model: trainer %d, %s %.4g (start %.4g); %d merges, %d batch increases, "
+             "accumulation used: %s; %d communications, %.1f MB; %.0f s", summary["final_trainer"], summary["metric"],
+             summary["final_metric"], summary["initial_metric"], summary["merges"],
              summary["batch_increases"], summary["accumulation_used"], summary["communications"],
              summary["bytes_communicated"] / 1e6, summary["wall_time_s"])
     log.info("outputs in %s", run_dir)

@@ -58,8 +58,10 @@ class Node:
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
         ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
         mask = self.data.attention_mask[idx].to(self.device, non_blocking=True)
-        # The model shifts labels by one itself; padding is excluded from the loss.
-        labels = ids.masked_fill(mask == 0, -100)
+        if self.data.labels is not None:  # classification: one label per sequence
+            labels = self.data.labels[idx].to(self.device, non_blocking=True)
+        else:  # language modelling: the model shifts labels by one itself; padding is excluded from the loss
+            labels = ids.masked_fill(mask == 0, -100)
         loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
         (loss * scale).backward()
         return loss.detach()

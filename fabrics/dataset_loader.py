@@ -34,7 +34,7 @@ WHEEL_NAME = "exllamav2-0.3.2-py3-none-any.whl"
 WHEEL_SHA256 = "7cd61ae4bf1d8d12034595ab9731f0f43bac415d6394fbb273d4383293d6079e"
 CAL_DIR = "exllamav2/conversion/standard_cal_data"
 SOURCES = {"wiki": "wiki.utf8", "c4": "c4.utf8", "tiny": "tiny.utf8"}
-EOS, PAD = "<|endoftext|>", "<pad>"
+EOS, PAD, CLS = "<|endoftext|>", "<pad>", "<cls>"
 PIP_TIMEOUT_S = 180
 
 
@@ -109,7 +109,7 @@ def _train_bpe(texts: list[str], vocab_size: int, path: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD, CLS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     tmp = path.with_suffix(".tmp")
@@ -117,40 +117,46 @@ def _train_bpe(texts: list[str], vocab_size: int, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def build_tokenizer(cfg: Config, train_texts: list[str], cache_dir: Path) -> PreTrainedTokenizerBase:
-    """MicroLlama's tokenizer when it is local (auto), a named one, or a BPE trained on the training split."""
-    choice = cfg.tokenizer
-    if choice not in ("auto", "bpe"):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(choice, local_files_only=True)
-        except (OSError, ValueError):
-            raise DataError(f"tokenizer: '{choice}' is neither a local directory nor in the HF cache") from None
-    elif choice == "auto" and (local := _local_microllama_tokenizer()) is not None:
-        tokenizer = local
-    else:
-        digest = hashlib.sha256()
-        for t in train_texts:
-            digest.update(t.encode())
-        key = f"bpe{cfg.tokenizer_vocab_size}-{digest.hexdigest()[:12]}"
-        path = cache_dir / "tokenizers" / f"{key}.json"
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log.info("training a %d-token byte-level BPE tokenizer on the training split", cfg.tokenizer_vocab_size)
-            _train_bpe(train_texts, cfg.tokenizer_vocab_size, path)
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS, pad_token=PAD)
-        tokenizer.name_or_path = f"{key} (byte-level BPE trained on the embedded training split)"
+def load_pretrained_tokenizer(name: str, cfg: Config, key: str = "tokenizer") -> PreTrainedTokenizerBase:
+    """A tokenizer from a local directory or the HF cache; from the Hub only with hub_downloads: true."""
+    if cfg.hub_downloads and not Path(name).exists():
+        from fabrics.c4_data import check_hub_reachable
+
+        check_hub_reachable(key)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=not cfg.hub_downloads)
+    except (OSError, ValueError):
+        where = "a local directory or the HF cache" + (" or the Hub" if cfg.hub_downloads else "")
+        raise DataError(f"{key}: cannot load tokenizer '{name}' from {where}") from None
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.sep_token
     return tokenizer
 
 
-def _local_microllama_tokenizer() -> PreTrainedTokenizerBase | None:
-    from fabrics.models import MICROLLAMA_HUB_ID
+def build_tokenizer(cfg: Config, train_texts: list[str], cache_dir: Path, corpus: str) -> PreTrainedTokenizerBase:
+    """auto: the model's own tokenizer when available locally, else a BPE trained on the training split."""
+    from fabrics.models import default_tokenizer_names
 
-    try:
-        return AutoTokenizer.from_pretrained(MICROLLAMA_HUB_ID, local_files_only=True)
-    except (OSError, ValueError):
-        return None
+    if cfg.tokenizer not in ("auto", "bpe"):
+        return load_pretrained_tokenizer(cfg.tokenizer, cfg)
+    if cfg.tokenizer == "auto":
+        for name in default_tokenizer_names(cfg):
+            try:
+                return load_pretrained_tokenizer(name, cfg.replace(hub_downloads=False))
+            except DataError:
+                continue
+    digest = hashlib.sha256(b"bpe-v2")
+    for t in train_texts:
+        digest.update(t.encode())
+    key = f"bpe{cfg.tokenizer_vocab_size}-{digest.hexdigest()[:12]}"
+    path = cache_dir / "tokenizers" / f"{key}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("training a %d-token byte-level BPE tokenizer on the training split", cfg.tokenizer_vocab_size)
+        _train_bpe(train_texts, cfg.tokenizer_vocab_size, path)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS, pad_token=PAD, cls_token=CLS)
+    tokenizer.name_or_path = f"{key} (byte-level BPE trained on the {corpus} training split)"
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,16 +165,20 @@ def _local_microllama_tokenizer() -> PreTrainedTokenizerBase | None:
 
 @dataclass
 class PackedData:
-    """Fixed-length sequences: input_ids and attention_mask [N, seq_len]; padding has mask 0."""
+    """Sequences [N, seq_len] with attention_mask (padding = 0) and, for classification, labels [N]."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.tokens_per_sequence = self.attention_mask.sum(dim=1)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def head(self, n: int) -> PackedData:
+        return PackedData(self.input_ids[:n], self.attention_mask[:n], None if self.labels is None else self.labels[:n])
 
 
 def pack(token_lists: list[list[int]], eos_id: int, pad_id: int, seq_len: int) -> PackedData:
@@ -182,6 +192,29 @@ def pack(token_lists: list[list[int]], eos_id: int, pad_id: int, seq_len: int) -
     return PackedData(ids.view(n, seq_len), mask.view(n, seq_len))
 
 
+PACK_BATCH_DOCS = 1000  # documents packed together; only the last sequence of each group is padded
+
+
+def tokenize_and_pack(docs: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, seq_len: int,
+                      num_proc: int | None = None, desc: str = "tokenizing") -> datasets.Dataset:
+    """A dataset of packed sequences (input_ids, attention_mask) from a dataset with a text column."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def pack_batch(batch: dict) -> dict:
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        packed = pack(ids, eos, pad, seq_len)
+        return {"input_ids": packed.input_ids.tolist(), "attention_mask": packed.attention_mask.tolist()}
+
+    return docs.map(pack_batch, batched=True, batch_size=PACK_BATCH_DOCS, remove_columns=docs.column_names,
+                    num_proc=num_proc, desc=desc)
+
+
+def to_packed(ds: datasets.Dataset) -> PackedData:
+    columns = ds.with_format("torch")[:]  # every row at once, as tensors
+    labels = columns["label"].long() if "label" in columns else None
+    return PackedData(columns["input_ids"].long(), columns["attention_mask"].long(), labels)
+
+
 @dataclass
 class CorpusData:
     train: PackedData
@@ -190,40 +223,96 @@ class CorpusData:
     description: str
 
 
-def _tokenize(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    out = ds.map(lambda b: {"ids": tokenizer(b["text"], add_special_tokens=False)["input_ids"]},
-                 batched=True, remove_columns=ds.column_names, desc="tokenizing", keep_in_memory=True)
-    return out["ids"]
+def hold_out(docs: datasets.Dataset, cfg: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, validation) by whole documents: about 8 characters per token of the val_size sequences."""
+    need_chars = cfg.val_size * cfg.seq_len * 8
+    n_val, chars = 0, 0
+    for text in docs["text"]:
+        if chars >= need_chars or n_val >= len(docs) - 1:
+            break
+        chars += len(text)
+        n_val += 1
+    return docs.select(range(n_val, len(docs))), docs.select(range(n_val))
+
+
+def finish_corpus(cfg: Config, train: PackedData, val: PackedData, tokenizer, description: str) -> CorpusData:
+    if len(val) < cfg.val_size:
+        raise DataError(f"val_size: only {len(val)} validation sequences could be made; lower val_size")
+    if cfg.data_sample_size:
+        if cfg.data_sample_size > len(train):
+            raise DataError(f"data_sample_size: {cfg.data_sample_size} requested, the data has {len(train)} "
+                            "training sequences")
+        train = train.head(cfg.data_sample_size)
+    val = val.head(cfg.val_size)
+    return CorpusData(train, val, tokenizer, f"{description} -> {len(train)} train, {len(val)} validation "
+                      f"sequences of {train.input_ids.shape[1]} tokens; tokenizer {tokenizer.name_or_path}")
+
+
+def _from_documents(cfg: Config, train_docs: datasets.Dataset, val_docs: datasets.Dataset | None,
+                    corpus: str) -> CorpusData:
+    if val_docs is None:
+        train_docs, val_docs = hold_out(train_docs, cfg)
+        val_origin = "held-out documents"
+    else:
+        val_origin = "validation split"
+    tokenizer = build_tokenizer(cfg, train_docs["text"], cache_dir_of(cfg), corpus)
+    train = to_packed(tokenize_and_pack(train_docs, tokenizer, cfg.seq_len))
+    val = to_packed(tokenize_and_pack(val_docs, tokenizer, cfg.seq_len))
+    return finish_corpus(cfg, train, val, tokenizer, f"{corpus}: {len(train_docs)} train documents, "
+                         f"{len(val_docs)} validation documents ({val_origin})")
+
+
+def load_embedded(cfg: Config) -> CorpusData:
+    docs = load_embedded_documents(cache_dir_of(cfg), cfg.embedded_sources).shuffle(seed=cfg.training_seed)
+    return _from_documents(cfg, docs, None, f"embedded corpus ({'+'.join(cfg.embedded_sources)})")
+
+
+def load_c4(cfg: Config) -> CorpusData:
+    from fabrics import c4_data
+
+    if cfg.c4_tokenized_path:
+        path = Path(cfg.c4_tokenized_path).expanduser()
+        meta, train_ds, eval_ds = c4_data.load_tokenized(path)
+        if cfg.tokenizer == "auto":  # the tokenizer saved beside the data by tokenize_c4.py
+            tokenizer = load_pretrained_tokenizer(str(path / "tokenizer"), cfg.replace(hub_downloads=False))
+        elif cfg.tokenizer == "bpe":
+            raise DataError("tokenizer: 'bpe' would train a new tokenizer, which cannot match a tokenized dataset; "
+                            "use tokenizer: auto (the dataset's own) or name the tokenizer it was made with")
+        else:
+            tokenizer = load_pretrained_tokenizer(cfg.tokenizer, cfg)
+        c4_data.check_tokenized_matches(meta, tokenizer, cfg.seq_len, path)
+        log.info("C4 from the tokenized dataset %s (%s)", path, meta.get("source"))
+        return finish_corpus(cfg, to_packed(train_ds), to_packed(eval_ds), tokenizer,
+                             f"C4 tokenized at {path} ({meta.get('source')}, {meta.get('num_documents')} documents)")
+    if cfg.c4_local_path:
+        train_docs, val_docs = c4_data.load_local_c4(Path(cfg.c4_local_path).expanduser(), cfg.c4_language,
+                                                     cfg.c4_num_documents)
+        source = f"C4 {cfg.c4_language} local shards"
+    else:
+        val_docs_needed = max(100, cfg.val_size * cfg.seq_len // 200)
+        train_docs, val_docs = c4_data.stream_hub_c4(cfg.c4_language, cfg.c4_num_documents, val_docs_needed,
+                                                     cfg.c4_streaming)
+        source = f"C4 {cfg.c4_language} from the Hub ({'streaming' if cfg.c4_streaming else 'download'})"
+    log.info("dataset: %s", source)
+    return _from_documents(cfg, train_docs, val_docs, source)
+
+
+def load_imdb(cfg: Config) -> CorpusData:
+    from fabrics.imdb_data import load_imdb_corpus
+
+    return load_imdb_corpus(cfg)
+
+
+DATA_SOURCES = {"embedded": load_embedded, "c4": load_c4, "imdb": load_imdb}
 
 
 def load_corpus(cfg: Config) -> CorpusData:
-    """Training and validation sequences; validation documents are held out before anything is fit."""
-    cache_dir = Path(cfg.cache_dir).expanduser()
-    docs = load_embedded_documents(cache_dir, cfg.embedded_sources).shuffle(seed=cfg.training_seed)
-    # Hold out whole documents for validation: generously ~8 characters per token.
-    need_chars = cfg.val_size * cfg.seq_len * 8
-    lengths = [len(t) for t in docs["text"]]
-    n_val, chars = 0, 0
-    while chars < need_chars and n_val < len(lengths) - 1:
-        chars += lengths[n_val]
-        n_val += 1
-    val_docs, train_docs = docs.select(range(n_val)), docs.select(range(n_val, len(docs)))
-    tokenizer = build_tokenizer(cfg, train_docs["text"], cache_dir)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    train = pack(_tokenize(train_docs, tokenizer), eos, pad, cfg.seq_len)
-    val = pack(_tokenize(val_docs, tokenizer), eos, pad, cfg.seq_len)
-    if len(val) < cfg.val_size:
-        raise DataError(f"val_size: only {len(val)} validation sequences could be made; lower val_size")
-    val = PackedData(val.input_ids[: cfg.val_size], val.attention_mask[: cfg.val_size])
-    if cfg.data_sample_size:
-        if cfg.data_sample_size > len(train):
-            raise DataError(f"data_sample_size: {cfg.data_sample_size} requested, the corpus has {len(train)} "
-                            f"training sequences of {cfg.seq_len} tokens")
-        train = PackedData(train.input_ids[: cfg.data_sample_size], train.attention_mask[: cfg.data_sample_size])
-    description = (f"embedded corpus ({'+'.join(cfg.embedded_sources)}): {len(train_docs)} train / {n_val} "
-                   f"validation documents -> {len(train)} x {cfg.seq_len} train, {len(val)} validation sequences; "
-                   f"tokenizer {tokenizer.name_or_path}")
-    return CorpusData(train, val, tokenizer, description)
+    """Training and validation data of the configured dataset; validation is never trained on."""
+    return DATA_SOURCES[cfg.dataset](cfg)
+
+
+def cache_dir_of(cfg: Config) -> Path:
+    return Path(cfg.cache_dir).expanduser()
 
 
 # ----------------------------------------------------------------------------------------------

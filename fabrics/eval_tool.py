@@ -1,4 +1,7 @@
-"""Validation perplexity, token-weighted exactly: exp(total NLL of predicted tokens / their number)."""
+"""Evaluation: validation perplexity for language models, accuracy for classifiers.
+
+Perplexity is token-weighted exactly: exp(total NLL of predicted tokens / number of predicted tokens).
+"""
 
 from __future__ import annotations
 
@@ -14,9 +17,15 @@ from fabrics.models import load_float_state
 
 @dataclass
 class EvalResult:
-    perplexity: float
-    nll: float  # mean NLL per predicted token
-    tokens: int  # predicted tokens
+    name: str  # the primary metric's column: val_perplexity or val_accuracy
+    value: float
+    higher_is_better: bool
+    metrics: dict[str, float]  # every number, by column name
+    count: int  # predicted tokens (language model) or examples (classifier)
+
+    @property
+    def perplexity(self) -> float:
+        return self.metrics["val_perplexity"]
 
 
 class Evaluator:
@@ -24,6 +33,17 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, val: PackedData, batch_size: int, device: str) -> None:
         self.model, self.val, self.batch_size, self.device = model, val, batch_size, device
+        self.classification = val.labels is not None
+        self.metric = "val_accuracy" if self.classification else "val_perplexity"
+        self.higher_is_better = self.classification
+
+    def _batches(self):
+        for start in range(0, len(self.val), self.batch_size):
+            end = start + self.batch_size
+            ids = self.val.input_ids[start:end].to(self.device)
+            mask = self.val.attention_mask[start:end].to(self.device)
+            labels = None if self.val.labels is None else self.val.labels[start:end].to(self.device)
+            yield ids, mask, labels
 
     @torch.no_grad()
     def evaluate(self, state: dict[str, torch.Tensor] | None = None) -> EvalResult:
@@ -31,17 +51,23 @@ class Evaluator:
             load_float_state(self.model, state)
         self.model.eval()
         total_nll = torch.zeros((), dtype=torch.float64, device=self.device)
-        total_tokens = 0
-        for start in range(0, len(self.val), self.batch_size):
-            ids = self.val.input_ids[start : start + self.batch_size].to(self.device)
-            mask = self.val.attention_mask[start : start + self.batch_size].to(self.device)
+        count, correct = 0, 0
+        for ids, mask, labels in self._batches():
             logits = self.model(input_ids=ids, attention_mask=mask).logits
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
+            if self.classification:
+                total_nll += F.cross_entropy(logits, labels, reduction="sum").double()
+                correct += int((logits.argmax(-1) == labels).sum())
+                count += len(labels)
+                continue
             # Token t predicts token t+1: one shift, padding excluded from the targets.
             targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-            logits = logits[:, :-1].flatten(0, 1)
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
-            nll = F.cross_entropy(logits, targets.flatten(), reduction="sum", ignore_index=-100)
-            total_nll += nll.double()
-            total_tokens += int((targets != -100).sum())
-        mean = float(total_nll) / max(total_tokens, 1)
-        return EvalResult(math.exp(mean) if total_tokens else float("inf"), mean, total_tokens)
+            total_nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum",
+                                         ignore_index=-100).double()
+            count += int((targets != -100).sum())
+        loss = float(total_nll) / max(count, 1)
+        if self.classification:
+            accuracy = correct / max(count, 1)
+            return EvalResult(self.metric, accuracy, True, {"val_accuracy": accuracy, "val_loss": loss}, count)
+        ppl = math.exp(loss) if count else float("inf")
+        return EvalResult(self.metric, ppl, False, {"val_perplexity": ppl, "val_loss": loss}, count)

@@ -1,4 +1,4 @@
-"""Model factory: MicroLlama = transformers LlamaForCausalLM, from a shipped preset or pretrained weights.
+"""Model factory: MicroLlama = LlamaForCausalLM (and BERT for IMDB), from a shipped preset or pretrained weights.
 
 Presets live in fabrics/model_configs/<name>.json so every architecture builds offline. All trainers
 and node replicas start from one initial state built once with the seed, as in the paper.
@@ -11,51 +11,78 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from utils.config import Config
 from utils.errors import UserError
 
 PRESETS_DIR = Path(__file__).parent / "model_configs"
 MICROLLAMA_HUB_ID = "keeeeenw/MicroLlama"
+# model_type -> (model class, config class, the family's own tokenizer on the Hub)
+MODEL_TYPES = {
+    "microllama": (LlamaForCausalLM, LlamaConfig, MICROLLAMA_HUB_ID),
+    "bert": (BertForSequenceClassification, BertConfig, "bert-base-uncased"),
+}
+
+
+def default_tokenizer_names(cfg: Config) -> list[str]:
+    """Tokenizers `tokenizer: auto` tries locally: the pretrained model's own, then the family's."""
+    names = [cfg.model_config.name] if cfg.model_config.pretrained else []
+    return names + [MODEL_TYPES[cfg.model_type][2]]
 
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
-def load_preset(name: str) -> LlamaConfig:
+def load_preset(name: str) -> PretrainedConfig:
     path = PRESETS_DIR / f"{name}.json"
     raw = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
-    return LlamaConfig(**raw)
+    config_class = {"llama": LlamaConfig, "bert": BertConfig}[raw.pop("model_type")]
+    return config_class(**raw)
 
 
 def build_model(cfg: Config, vocab_size: int, pad_token_id: int | None) -> PreTrainedModel:
     """The initial model on CPU in fp32: a seeded random init of a preset, or pretrained weights."""
     name = cfg.model_config.name
+    model_class, config_class, _ = MODEL_TYPES[cfg.model_type]
     if cfg.model_config.pretrained:
+        if cfg.hub_downloads and not Path(name).exists():
+            from fabrics.c4_data import check_hub_reachable
+
+            check_hub_reachable("model_config.name")
         try:
-            model = LlamaForCausalLM.from_pretrained(name, local_files_only=True, dtype=torch.float32)
+            model = model_class.from_pretrained(name, local_files_only=not cfg.hub_downloads, dtype=torch.float32)
         except (OSError, ValueError) as exc:
-            raise UserError(f"model_config.name: cannot load pretrained weights '{name}' from a local directory "
-                            f"or the Hugging Face cache ({type(exc).__name__}); download them first with "
-                            f"`hf download {name}` or set model_config.pretrained: false") from None
+            hint = ("" if cfg.hub_downloads else f"; download them first with `hf download {name}` or set "
+                    "hub_downloads: true")
+            raise UserError(f"model_config.name: cannot load pretrained weights '{name}' ({type(exc).__name__}){hint}, "
+                            "or set model_config.pretrained: false") from None
         if model.config.vocab_size < vocab_size:
             raise UserError(f"tokenizer: its vocabulary ({vocab_size}) is larger than the model's "
-                            f"({model.config.vocab_size}); use the model's own tokenizer (tokenizer: {name})")
+                            f"({model.config.vocab_size}); use the model's own tokenizer (tokenizer: auto or {name})")
         return model
     if name in preset_names():
         config = load_preset(name)
     elif (Path(name) / "config.json").is_file():
-        config = LlamaConfig.from_pretrained(name)
+        config = config_class.from_pretrained(name)
     else:
         raise UserError(f"model_config.name: '{name}' is neither a preset ({', '.join(preset_names())}) nor a "
                         "local model directory; for Hub weights set model_config.pretrained: true")
+    if not isinstance(config, config_class):
+        raise UserError(f"model_config.name: '{name}' is a {type(config).__name__}, not a {cfg.model_type} model")
     config.vocab_size = vocab_size
     config.pad_token_id = pad_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training_seed)
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     return model.float()
 
 

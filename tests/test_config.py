@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from utils.config import Config, load_config, markdown_table
+from utils.config import TABLE_END, TABLE_START, Config, load_config, markdown_table
 from utils.errors import ConfigError
 
 
@@ -60,6 +60,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
 
 def test_every_key_is_documented_in_readme_and_config_yaml():
     readme = (ROOT / "README.md").read_text()
+    assert f"{TABLE_START}\n{markdown_table()}\n{TABLE_END}" in readme, "run: python -m utils.config --update-readme"
     config_yaml = (ROOT / "config.yaml").read_text()
     for line in markdown_table().splitlines()[2:]:
         key = line.split("`")[1]

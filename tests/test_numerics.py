@@ -93,7 +93,7 @@ def test_perplexity_is_token_weighted_exactly():
             logits = model(input_ids=d.input_ids[i : i + 1, :n]).logits[0]
             total += F.cross_entropy(logits[:-1], d.input_ids[i, 1:n], reduction="sum").item()
             count += n - 1
-    assert result.tokens == count
+    assert result.count == count
     assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-9)
 
 

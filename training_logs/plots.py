@@ -16,7 +16,7 @@ def _read(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def plot_training(csv_path: Path, merge_path: Path, out_dir: Path) -> list[Path]:
+def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str = "val_perplexity") -> list[Path]:
     rows = _read(csv_path)
     merges = _read(merge_path)
     per_trainer: dict[str, list[dict[str, str]]] = {}
@@ -39,10 +39,12 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path) -> list[Path]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for t, rs in per_trainer.items():
-        ax.plot([int(r["outer_step"]) for r in rs], [float(r["val_perplexity"]) for r in rs], marker="o", ms=3,
+        ax.plot([int(r["outer_step"]) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3,
                 label=f"trainer {t}")
-    ax.set_yscale("log")
-    finish(ax, "Validation perplexity (dotted: merges)", "perplexity", "val_perplexity_per_trainer.png")
+    label = metric.removeprefix("val_")
+    if metric == "val_perplexity":
+        ax.set_yscale("log")
+    finish(ax, f"Validation {label} (dotted: merges)", label, f"{metric}_per_trainer.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for t, rs in per_trainer.items():

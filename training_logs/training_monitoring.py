@@ -12,16 +12,19 @@ from training_logs.plots import plot_training
 from training_logs.trackers import Tracker
 
 COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", "loader_batch",
-           "accumulation_steps", "optimizer_steps", "tokens_seen", "train_loss", "val_perplexity",
+           "accumulation_steps", "optimizer_steps", "tokens_seen", "train_loss", "val_perplexity", "val_accuracy",
+           "val_loss",
            "next_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance", "ortho_variance", "T_ip",
            "T_ortho", "grad_sq_norm", "communications", "bytes_communicated", "wall_time", "trainers_alive"]
 MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes"]
 
 
 class TrainingLogger:
-    def __init__(self, report_dir: Path, tracker: Tracker) -> None:
+    def __init__(self, report_dir: Path, tracker: Tracker, metric: str = "val_perplexity",
+                 higher_is_better: bool = False) -> None:
         report_dir.mkdir(parents=True, exist_ok=True)
         self.report_dir, self.tracker = report_dir, tracker
+        self.metric, self.higher_is_better = metric, higher_is_better
         self.csv_path = report_dir / "training_log.csv"
         self.merge_path = report_dir / "merge_events.csv"
         self._lock = threading.Lock()
@@ -38,13 +41,14 @@ class TrainingLogger:
             for row in rows:
                 writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
 
-    def log_initial(self, perplexity: float, trainer_ids: list[int]) -> None:
-        rows = [{"outer_step": 0, "trainer_id": t, "val_perplexity": perplexity, "tokens_seen": 0,
+    def log_initial(self, metrics: dict[str, float], trainer_ids: list[int]) -> None:
+        rows = [{"outer_step": 0, "trainer_id": t, **metrics, "tokens_seen": 0,
                  "optimizer_steps": 0, "communications": 0, "bytes_communicated": 0, "wall_time": 0.0,
                  "trainers_alive": len(trainer_ids)} for t in trainer_ids]
         with self._lock:
             self._append(self.csv_path, COLUMNS, rows)
-        self.tracker.log({"global/val_perplexity": perplexity, "global/trainers_alive": len(trainer_ids)}, 0)
+        self.tracker.log({**{f"global/{k}": v for k, v in metrics.items()},
+                          "global/trainers_alive": float(len(trainer_ids))}, 0)
 
     def log_step(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> None:
         for row in rows:
@@ -59,11 +63,12 @@ class TrainingLogger:
         step = rows[0]["outer_step"]
         metrics: dict[str, float] = {}
         for r in rows:
-            for key in ("val_perplexity", "train_loss", "requested_batch", "loader_batch", "accumulation_steps",
-                        "num_nodes", "tokens_seen"):
-                metrics[f"trainer_{r['trainer_id']}/{key}"] = float(r[key])
+            for key in ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
+                        "accumulation_steps", "num_nodes", "tokens_seen"):
+                if key in r:
+                    metrics[f"trainer_{r['trainer_id']}/{key}"] = float(r[key])
         metrics.update({
-            "global/val_perplexity": min(r["val_perplexity"] for r in rows),
+            f"global/{self.metric}": (max if self.higher_is_better else min)(r[self.metric] for r in rows),
             "global/trainers_alive": float(trainers_alive),
             "global/tokens_seen": float(sum(r["tokens_seen"] for r in rows)),
             "global/communications": float(rows[-1]["communications"] + (1 if merge_event else 0)),
@@ -73,7 +78,7 @@ class TrainingLogger:
 
     def plot(self) -> list[Path]:
         with self._lock:
-            return plot_training(self.csv_path, self.merge_path, self.report_dir)
+            return plot_training(self.csv_path, self.merge_path, self.report_dir, self.metric)
 
     def close(self) -> None:
         self.tracker.close()

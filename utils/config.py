@@ -66,8 +66,9 @@ class Config:
                                  min=0.0)
     max_batch_size: int = _f(0, "Largest micro-batch per node; 0 = find it with the memory probe.", min=0)
     # --- data ---
-    dataset: str = _f("embedded", "Training corpus. embedded = English text shipped in the exllamav2 "
-                      "wheel (no Hub needed).", choices=("embedded",))
+    dataset: str = _f("embedded", "Training data. embedded = English text shipped in the exllamav2 wheel (no Hub "
+                      "needed); c4 = C4 (Hub, local shards or tokenized); imdb = IMDB sentiment (for bert).",
+                      choices=("embedded", "c4", "imdb"))
     embedded_sources: list[str] = _f(["wiki", "c4", "tiny"], "Parts of the embedded corpus: "
                                      "wiki, c4, tiny (TinyStories).")
     data_sample_size: int = _f(0, "Number of training sequences to use; 0 = all.", min=0)
@@ -77,9 +78,20 @@ class Config:
                         "the training split; bpe = always train; or a local directory / HF id.")
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size of the trained BPE tokenizer.", min=300)
     cache_dir: str = _f("~/.cache/adloco", "Cache for the downloaded wheel, tokenizers and tokenized data.")
+    hub_downloads: bool = _f(False, "Allow downloads from the Hugging Face Hub (models, tokenizers). false = local "
+                             "directories and the HF cache only (local_files_only), never a network wait.")
+    c4_language: str = _f("en", "C4 configuration (language), as in allenai/c4.")
+    c4_streaming: bool = _f(True, "Hub C4: stream the first documents (true) or download split slices (false).")
+    c4_local_path: str = _f("", "Directory of raw C4 shards (<dir>/<lang>/c4-train.*.json.gz, c4-validation.*); "
+                            "used when set and c4_tokenized_path is empty.")
+    c4_tokenized_path: str = _f("", "Directory written by c4/tokenize_c4.py; takes precedence over the other C4 ways.")
+    c4_num_documents: int = _f(1000, "C4 training documents to read (Hub or local shards); 0 = all local ones.",
+                               min=0)
+    imdb_local_path: str = _f("", "Directory with IMDB in its Hub layout (plain_text/train-*.parquet, "
+                              "plain_text/test-*.parquet); empty = stanfordnlp/imdb from the Hub.")
     # --- model ---
-    model_type: str = _f("microllama", "Model family: microllama (transformers LlamaForCausalLM).",
-                         choices=("microllama",))
+    model_type: str = _f("microllama", "Model family: microllama (LlamaForCausalLM, language modelling) or "
+                         "bert (BertForSequenceClassification, with dataset: imdb).", choices=("microllama", "bert"))
     model_config: ModelConfig = _f(ModelConfig(), "Model name and weights (see model_config.* keys).")
     # --- algorithm ---
     distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient) or "
@@ -140,6 +152,9 @@ class Config:
                               f"nodes, but devices x nodes_per_gpu = {total_nodes}")
         if self.initial_batch_size > self.max_requested_batch:
             raise ConfigError("initial_batch_size", "is larger than max_requested_batch")
+        if (self.model_type == "bert") != (self.dataset == "imdb"):
+            raise ConfigError("model_type", f"'{self.model_type}' does not go with dataset '{self.dataset}': "
+                              "bert trains on imdb, microllama on embedded or c4")
         unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
         if unknown or not self.embedded_sources:
             raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
@@ -147,6 +162,9 @@ class Config:
     @property
     def total_nodes(self) -> int:
         return len(self.devices) * self.nodes_per_gpu
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,6 +307,19 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+TABLE_START, TABLE_END = "<!-- config-table:start -->", "<!-- config-table:end -->"
+
+
+def update_readme(readme: Path) -> None:
+    """Rewrite the table between the README's config-table markers."""
+    text = readme.read_text()
+    head, rest = text.split(TABLE_START)
+    _, tail = rest.split(TABLE_END)
+    readme.write_text(f"{head}{TABLE_START}\n{markdown_table()}\n{TABLE_END}{tail}")
+
+
 if __name__ == "__main__":
     if "--markdown" in sys.argv:
         print(markdown_table())
+    if "--update-readme" in sys.argv:
+        update_readme(Path(__file__).resolve().parents[1] / "README.md")

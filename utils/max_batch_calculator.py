@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-def _batch(seq_len: int, vocab: int, batch: int, device: str) -> dict[str, torch.Tensor]:
+def _batch(model: torch.nn.Module, seq_len: int, batch: int, device: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen).to(device)
+    classifier = type(model).__name__.endswith("ForSequenceClassification")
+    labels = torch.zeros(batch, dtype=torch.long, device=device) if classifier else ids
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
 def _binary_search(fits: Callable[[int], bool], upper: int) -> int:
@@ -42,18 +44,18 @@ def _binary_search(fits: Callable[[int], bool], upper: int) -> int:
     return lo
 
 
-def _static_bytes(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, vocab: int) -> int:
+def _static_bytes(model: torch.nn.Module, make_optimizer: Callable, seq_len: int) -> int:
     """Parameters + gradients + optimizer state, measured after one real step on a copy."""
     probe = copy.deepcopy(model)
     opt = make_optimizer(probe.parameters())
-    probe(**_batch(seq_len, vocab, 1, "cpu")).loss.backward()
+    probe(**_batch(probe, seq_len, 1, "cpu")).loss.backward()
     opt.step()
     tensors = [p for p in probe.parameters()] + [p.grad for p in probe.parameters() if p.grad is not None]
     tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _activation_bytes(model: torch.nn.Module, seq_len: int, vocab: int, batch: int) -> int:
+def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +64,7 @@ def _activation_bytes(model: torch.nn.Module, seq_len: int, vocab: int, batch: i
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**_batch(seq_len, vocab, batch, "cpu"))
+        out = model(**_batch(model, seq_len, batch, "cpu"))
     logits_bytes = out.logits.numel() * out.logits.element_size()
     del out
     return sum(seen.values()) + logits_bytes  # + the logits gradient during backward
@@ -70,12 +72,11 @@ def _activation_bytes(model: torch.nn.Module, seq_len: int, vocab: int, batch: i
 
 def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, budget_bytes: float,
                   upper: int) -> int:
-    vocab = model.config.vocab_size
-    static = _static_bytes(model, make_optimizer, seq_len, vocab)
+    static = _static_bytes(model, make_optimizer, seq_len)
     model.train()
 
     def fits(b: int) -> bool:
-        return static + _activation_bytes(model, seq_len, vocab, b) <= budget_bytes
+        return static + _activation_bytes(model, seq_len, b) <= budget_bytes
 
     return _binary_search(fits, upper)
 
@@ -90,14 +91,13 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
     base = torch.cuda.memory_allocated(dev)
     probe = copy.deepcopy(model).to(dev)
     opt = make_optimizer(probe.parameters())
-    vocab = model.config.vocab_size
     log.info("%s: %.1f GiB total, %.1f GiB free, budget per node %.2f GiB", device, total / 2**30, free / 2**30,
              budget / 2**30)
 
     def fits(b: int) -> bool:
         try:
             torch.cuda.reset_peak_memory_stats(dev)
-            probe(**_batch(seq_len, vocab, b, device)).loss.backward()
+            probe(**_batch(probe, seq_len, b, device)).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             peak = torch.cuda.max_memory_allocated(dev) - base

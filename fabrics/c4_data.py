@@ -1,0 +1,135 @@
+"""C4 (allenai/c4) in three ways: streaming from the Hub, local raw shards, or a pre-tokenized dataset.
+
+Local shards keep C4's own layout and format: <dir>/<lang>/c4-train.XXXXX-of-01024.json.gz and
+c4-validation.XXXXX-of-00008.json.gz (JSON lines with text, timestamp, url); files directly in <dir>
+are found too. Everything is read through `datasets`. The Hub is checked for reachability with a short
+socket timeout first, so an offline machine gets a clear error in seconds instead of minutes of retries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import datasets
+from datasets.exceptions import DatasetGenerationError
+
+from utils.errors import DataError
+
+log = logging.getLogger(__name__)
+
+C4_HUB_ID = "allenai/c4"
+HUB_CHECK_TIMEOUT_S = 5.0
+METADATA_FILE = "metadata.json"
+
+
+def check_hub_reachable(what: str) -> None:
+    """Fail fast (seconds) when the Hugging Face Hub cannot be reached or offline mode is on."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        raise DataError(f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be used; use local shards "
+                        "(c4_local_path) or a tokenized dataset (c4_tokenized_path)")
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=HUB_CHECK_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise DataError(f"{what}: the Hugging Face Hub ({endpoint.hostname}:{port}) is unreachable ({exc}); "
+                        "use local shards (c4_local_path) or a tokenized dataset (c4_tokenized_path)") from None
+
+
+def find_shards(root: Path, language: str, split: str) -> list[Path]:
+    if not root.is_dir():
+        raise DataError(f"c4_local_path: directory not found: {root}")
+    pattern = f"c4-{split}.*.json.gz"
+    files = sorted((root / language).glob(pattern)) or sorted(root.glob(pattern))
+    return files
+
+
+def _read_json_shards(files: list[Path], limit: int) -> datasets.Dataset:
+    try:
+        ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
+    except (DatasetGenerationError, ValueError, OSError) as exc:
+        cause = exc.__cause__ or exc
+        raise DataError(f"c4_local_path: {', '.join(f.name for f in files)} is not valid C4 JSON lines "
+                        f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]})") from None
+    if "text" not in ds.column_names:
+        raise DataError(f"c4_local_path: {files[0].name} has no 'text' field; is it a C4 shard?")
+    if len(ds) == 0:
+        raise DataError(f"c4_local_path: {', '.join(f.name for f in files)} holds no documents")
+    ds = ds.select_columns(["text"])
+    return ds.select(range(min(limit, len(ds)))) if limit else ds
+
+
+def load_local_c4(root: Path, language: str, num_documents: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(train documents, validation documents or None) from local shards in C4's layout."""
+    train_files = find_shards(root, language, "train")
+    if not train_files:
+        raise DataError(f"c4_local_path: no c4-train.*.json.gz shards in {root} or {root / language}")
+    train = _read_json_shards(train_files, num_documents)
+    val_files = find_shards(root, language, "validation")
+    val = _read_json_shards(val_files, 0) if val_files else None
+    log.info("C4 from local shards: %d train files (%d documents), %s", len(train_files), len(train),
+             f"{len(val_files)} validation files" if val_files else "no validation shards (held-out documents)")
+    return train, val
+
+
+def stream_hub_c4(language: str, num_documents: int, val_documents: int, streaming: bool = True,
+                  ) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The first documents of allenai/c4 (train and validation splits) from the Hub."""
+    check_hub_reachable("c4_streaming")
+    try:
+        if not streaming:
+            train = datasets.load_dataset(C4_HUB_ID, language, split=f"train[:{num_documents}]")
+            val = datasets.load_dataset(C4_HUB_ID, language, split=f"validation[:{val_documents}]")
+            return train.select_columns(["text"]), val.select_columns(["text"])
+        out = []
+        for split, n in (("train", num_documents), ("validation", val_documents)):
+            stream = datasets.load_dataset(C4_HUB_ID, language, split=split, streaming=True)
+            out.append(datasets.Dataset.from_list([{"text": ex["text"]} for ex in stream.take(n)]))
+    except (ConnectionError, OSError) as exc:
+        raise DataError(f"c4_streaming: could not read {C4_HUB_ID}/{language} from the Hub ({exc})") from None
+    log.info("C4 streamed from the Hub: %d train, %d validation documents", len(out[0]), len(out[1]))
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-tokenized datasets (written by c4/tokenize_c4.py)
+
+
+def vocab_hash(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def load_tokenized(path: Path) -> tuple[dict, datasets.Dataset, datasets.Dataset]:
+    """(metadata, train, eval) of a dataset written by tokenize_c4.py."""
+    if not path.is_dir():
+        raise DataError(f"c4_tokenized_path: directory not found: {path}")
+    meta_file = path / METADATA_FILE
+    if not meta_file.is_file():
+        raise DataError(f"c4_tokenized_path: {path} has no {METADATA_FILE}; write it with c4/tokenize_c4.py")
+    try:
+        meta = json.loads(meta_file.read_text())
+        train = datasets.load_from_disk(str(path / "train"))
+        evaluation = datasets.load_from_disk(str(path / "eval"))
+    except (ValueError, OSError, FileNotFoundError) as exc:
+        raise DataError(f"c4_tokenized_path: {path} is not a complete tokenized dataset ({exc})") from None
+    for split, ds in (("train", train), ("eval", evaluation)):
+        if not {"input_ids", "attention_mask"} <= set(ds.column_names) or len(ds) == 0:
+            raise DataError(f"c4_tokenized_path: the {split} split of {path} has no input_ids/attention_mask rows")
+    return meta, train, evaluation
+
+
+def check_tokenized_matches(meta: dict, tokenizer, seq_len: int, path: Path) -> None:
+    if meta.get("seq_len") != seq_len:
+        raise DataError(f"c4_tokenized_path: {path} was packed with seq_len {meta.get('seq_len')}, the config asks "
+                        f"for seq_len {seq_len}; set seq_len: {meta.get('seq_len')} or re-run tokenize_c4.py")
+    if meta.get("vocab_hash") != vocab_hash(tokenizer):
+        raise DataError(f"c4_tokenized_path: {path} was tokenized with '{meta.get('tokenizer')}', not with the "
+                        f"configured tokenizer '{tokenizer.name_or_path}' (vocabulary hashes differ)")
