@@ -8,6 +8,7 @@ socket timeout first, so an offline machine gets a clear error in seconds instea
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -51,7 +52,18 @@ def find_shards(root: Path, language: str, split: str) -> list[Path]:
     return files
 
 
+def _has_a_line(path: Path) -> bool:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return any(line.strip() for line in f)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise DataError(f"c4_local_path: {path.name} is not a readable gzip text file ({exc})") from None
+
+
 def _read_json_shards(files: list[Path], limit: int) -> datasets.Dataset:
+    for f in files:
+        if not _has_a_line(f):
+            raise DataError(f"c4_local_path: {f.name} holds no documents")
     try:
         ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
     except (DatasetGenerationError, ValueError, OSError) as exc:

@@ -181,15 +181,26 @@ class PackedData:
         return PackedData(self.input_ids[:n], self.attention_mask[:n], None if self.labels is None else self.labels[:n])
 
 
-def pack(token_lists: list[list[int]], eos_id: int, pad_id: int, seq_len: int) -> PackedData:
-    """Concatenate documents (EOS after each) and cut into seq_len chunks; the last one is padded."""
+def pack_lists(token_lists: list[list[int]], eos_id: int, pad_id: int, seq_len: int
+               ) -> tuple[list[list[int]], list[list[int]]]:
+    """Concatenate documents (EOS after each) and cut into seq_len chunks; the last one is padded.
+
+    Plain Python on purpose: it runs inside `datasets` worker processes, where torch's thread pool
+    (inherited through fork) could deadlock.
+    """
     flat = [t for ids in token_lists for t in (*ids, eos_id)]
-    n = -(-len(flat) // seq_len)
-    ids = torch.full((n * seq_len,), pad_id, dtype=torch.long)
-    mask = torch.zeros(n * seq_len, dtype=torch.long)
-    ids[: len(flat)] = torch.tensor(flat, dtype=torch.long)
-    mask[: len(flat)] = 1
-    return PackedData(ids.view(n, seq_len), mask.view(n, seq_len))
+    ids, masks = [], []
+    for start in range(0, len(flat), seq_len):
+        chunk = flat[start : start + seq_len]
+        pad = seq_len - len(chunk)
+        ids.append(chunk + [pad_id] * pad)
+        masks.append([1] * len(chunk) + [0] * pad)
+    return ids, masks
+
+
+def pack(token_lists: list[list[int]], eos_id: int, pad_id: int, seq_len: int) -> PackedData:
+    ids, masks = pack_lists(token_lists, eos_id, pad_id, seq_len)
+    return PackedData(torch.tensor(ids, dtype=torch.long), torch.tensor(masks, dtype=torch.long))
 
 
 PACK_BATCH_DOCS = 1000  # documents packed together; only the last sequence of each group is padded
@@ -201,9 +212,8 @@ def tokenize_and_pack(docs: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def pack_batch(batch: dict) -> dict:
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        packed = pack(ids, eos, pad, seq_len)
-        return {"input_ids": packed.input_ids.tolist(), "attention_mask": packed.attention_mask.tolist()}
+        ids, masks = pack_lists(tokenizer(batch["text"], add_special_tokens=False)["input_ids"], eos, pad, seq_len)
+        return {"input_ids": ids, "attention_mask": masks}
 
     return docs.map(pack_batch, batched=True, batch_size=PACK_BATCH_DOCS, remove_columns=docs.column_names,
                     num_proc=num_proc, desc=desc)

@@ -47,7 +47,7 @@ def load_imdb_splits(cfg: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
 
 
 def encode(ds: datasets.Dataset, tokenizer, seq_len: int) -> PackedData:
-    texts, labels = ds["text"], ds["label"]
+    texts, labels = list(ds["text"]), list(ds["label"])
     cls = tokenizer.cls_token_id
     enc = tokenizer(texts, truncation=True, max_length=seq_len - 1, add_special_tokens=True)["input_ids"]
     # A BPE has no post-processor: put the class token first ourselves (BERT's pooler reads position 0).

@@ -37,7 +37,7 @@ def _copy(value: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("microllama-tiny", "Model preset (microllama-tiny, microllama-mini, microllama-300m), "
+    name: str = _f("microllama-tiny", "Model preset (microllama-tiny, microllama-mini, microllama-300m, bert-tiny), "
                    "a local model directory, or a Hugging Face id such as keeeeenw/MicroLlama.")
     pretrained: bool = _f(False, "Load pretrained weights (local directory or HF cache, offline-safe) "
                           "instead of initialising from the config with training_seed.")
