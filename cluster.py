@@ -45,6 +45,8 @@ class RoundResult:
     optimizer_steps: int
     grad_samples: torch.Tensor | None
     sample_batch: float
+    node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
+    learning_rate: float
 
 
 def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
@@ -65,7 +67,8 @@ def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
             tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
             grad_samples=torch.cat(samples) if samples else None,
-            sample_batch=group[0].sample_batch)
+            sample_batch=group[0].sample_batch, node_step_losses={r.node_id: r.step_losses for r in group},
+            learning_rate=group[0].learning_rate)
     return combined
 
 
@@ -120,6 +123,7 @@ class ClusterController:
                 node = Node(len(self.nodes), device, replicate(model, device), make_optimizer, cfg.grad_clip,
                             data.train)
                 node.max_batch = max_batch
+                node.show_progress = cfg.inner_progress
                 self.nodes.append(node)
         log.info("nodes: %s", ", ".join(f"{n.node_id}@{n.device} (max batch {n.max_batch})" for n in self.nodes))
         initial = float_state(model)
@@ -133,6 +137,7 @@ class ClusterController:
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
         self.assignment: dict[int, list[int]] = {}
         self.communications = 0  # outer synchronisations (one per trainer per round) and merges
+        self.tokens_total = 0
         self.bytes_communicated = 0
 
     # -------------------------------------------------------------------------------------------
@@ -161,7 +166,14 @@ class ClusterController:
         jobs = self._jobs()
         # (loader_batch, accumulation_steps) each node ran, read off its job's index tensor
         plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
+        self.logger.memory.begin_round(outer_step)
         results = self.backend.run_round(jobs)
+        self.logger.memory.end_round(outer_step)
+        self.logger.log_step_losses([
+            {"outer_step": outer_step, "trainer_id": t, "node_id": node, "inner_step": i, "loss": f"{loss:.6g}",
+             "micro_batch": plan[node][0], "accumulation_steps": plan[node][1], "learning_rate": res.learning_rate}
+            for t, res in sorted(results.items()) for node, losses in sorted(res.node_step_losses.items())
+            for i, loss in enumerate(losses)])
         rows = []
         for t in sorted(results):
             trainer, res = self.trainers[t], results[t]
@@ -174,6 +186,7 @@ class ClusterController:
             s.sync_number += 1
             s.optimizer_steps += res.optimizer_steps
             s.tokens_seen += res.tokens
+            self.tokens_total += res.tokens
             self.communications += 1
             self.bytes_communicated += 2 * len(res.nodes) * self.param_bytes  # pseudo-grads up, weights down
             loader_batch, accumulation = plan[res.nodes[0]]
@@ -181,7 +194,8 @@ class ClusterController:
                 "outer_step": outer_step, "trainer_id": t, "nodes": " ".join(map(str, res.nodes)),
                 "num_nodes": len(res.nodes), "requested_batch": requested_before, "loader_batch": loader_batch,
                 "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
-                "tokens_seen": s.tokens_seen, "train_loss": res.train_loss, **evaluation.metrics,
+                "tokens_seen": s.tokens_seen, "global_tokens": self.tokens_total, "train_loss": res.train_loss,
+                **evaluation.metrics,
                 "next_requested_batch": decision.requested_batch, **decision.stats,
                 "communications": self.communications, "bytes_communicated": self.bytes_communicated})
         return rows
@@ -219,7 +233,10 @@ class ClusterController:
             wall = time.time() - start
             for row in rows:
                 row["wall_time"] = wall
+            self.logger.memory.record("after_outer_step", outer_step)
             merge_event = self.merge(outer_step)
+            if merge_event:
+                self.logger.memory.record("after_merge", outer_step)
             self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
             log.info(self._step_line(outer_step, rows, merge_event))
             values = [r[self.evaluator.metric] for r in rows]
@@ -229,7 +246,7 @@ class ClusterController:
             if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 and outer_step < cfg.num_outer_steps:
                 save_checkpoint(self.weights_dir, f"outer_step_{outer_step:04d}", self.trainers)
             if outer_step % cfg.plot_every == 0:
-                self.logger.plot()
+                self.logger.plot(outer_step)
         bar.close()
         self.backend.close()
         return self._finish(initial.value, time.time() - start)
@@ -252,12 +269,12 @@ class ClusterController:
         final_id = min(scores, key=lambda t: (sign * scores[t], t))
         final = self.trainers[final_id]
         save_checkpoint(self.weights_dir, "final", self.trainers, self.evaluator.model, self.data.tokenizer, final_id)
-        self.logger.plot()
+        self.logger.plot(self.cfg.num_outer_steps)
         summary = {
             "metric": self.evaluator.metric, "initial_metric": initial_metric, "final_trainer": final_id,
             "final_metric": scores[final_id], "surviving_trainers": scores,
             "outer_steps": self.cfg.num_outer_steps, "wall_time_s": wall,
-            "tokens_seen": sum(t.stats.tokens_seen for t in self.trainers.values()),
+            "tokens_seen": self.tokens_total,
             "communications": self.communications, "bytes_communicated": self.bytes_communicated,
             "final_requested_batch": final.requested_batch,
             "max_batch_per_node": {n.node_id: n.max_batch for n in self.nodes},

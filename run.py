@@ -28,12 +28,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def build_tracker(cfg: Config, run_dir: Path):
+    """metrics.jsonl always; ClearML unless clearml_mode: off; TensorBoard when asked."""
+    from training_logs.trackers import JsonlTracker, TensorBoardTracker, TrackerGroup
+
+    trackers = [JsonlTracker(run_dir / "metrics.jsonl")]
+    if cfg.clearml_mode != "off":
+        from training_logs.clearml_tracker import ClearMLTracker
+
+        trackers.append(ClearMLTracker(cfg.project_name, cfg.task_name, cfg.to_dict(), cfg.clearml_mode,
+                                       cfg.clearml_timeout_s))
+    if cfg.tensorboard:
+        trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+    return TrackerGroup(trackers)
+
+
 def train(cfg: Config) -> tuple[Path, dict]:
     # Heavy imports after validation, so config errors come back instantly.
     from cluster import ClusterController
     from fabrics.dataset_loader import load_corpus
     from fabrics.models import build_model, count_parameters
-    from training_logs.trackers import JsonlTracker, TrackerGroup
+    from training_logs.memory_monitor import MemoryMonitor
     from training_logs.training_monitoring import TrainingLogger
     from utils.utils import make_run_dir, set_seeds, setup_logging
 
@@ -52,12 +67,15 @@ def train(cfg: Config) -> tuple[Path, dict]:
     log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
              count_parameters(model) / 1e6)
     report_dir = run_dir / "model_training_report"
+    tracker = build_tracker(cfg, run_dir)
     classification = data.val.labels is not None
-    logger = TrainingLogger(report_dir, TrackerGroup([JsonlTracker(run_dir / "metrics.jsonl")]),
-                            "val_accuracy" if classification else "val_perplexity", classification)
+    memory = MemoryMonitor(run_dir / "memory_report", cfg.devices, tracker, cfg.memory_sample_interval_s)
+    logger = TrainingLogger(report_dir, tracker, memory, "val_accuracy" if classification else "val_perplexity",
+                            classification)
     try:
         cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights")
         summary = cluster.train()
+        logger.finish(summary)
     finally:
         logger.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

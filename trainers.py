@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from algorithms.policies import weighted_average
 from fabrics.dataset_loader import PackedData, ShardSampler
@@ -44,6 +45,7 @@ class NodeResult:
     tokens: int
     grad_samples: torch.Tensor | None = None  # [k, P] fp32 on CPU
     sample_batch: float = 0.0  # sequences behind each gradient sample
+    learning_rate: float = 0.0
 
 
 class Node:
@@ -54,6 +56,7 @@ class Node:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.Optimizer | None = None
         self.max_batch = 0
+        self.show_progress = False  # an inner-step progress bar (config inner_progress)
 
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
         ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
@@ -94,6 +97,7 @@ class Node:
         self.model.train()
         steps, accumulation, _ = job.sample_indices.shape
         losses, grad_samples, sample_batch = [], None, 0.0
+        bar = tqdm(total=steps, desc=f"node {self.node_id}", leave=False, position=1) if self.show_progress else None
         for step in range(steps):
             idx = job.sample_indices[step]
             if step == steps - 1 and job.grad_chunks >= 2:
@@ -107,10 +111,14 @@ class Node:
                 torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()
         tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
         step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
         return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,
-                          sample_batch)
+                          sample_batch, self.optimizer.param_groups[0]["lr"])
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Metrics of the run: training_log.csv (one row per trainer per outer step), merge_events.csv,
-the trackers, and the plots. All writes go through one lock, so concurrent callers never interleave.
+"""Everything a run records: training_log.csv (one row per trainer per outer step), merge_events.csv,
+step_loss_log.csv, the memory monitor, the trackers and the plots. CSV writes go through locks, so
+concurrent callers never interleave.
 """
 
 from __future__ import annotations
@@ -8,25 +9,30 @@ import csv
 import threading
 from pathlib import Path
 
-from training_logs.plots import plot_training
+from training_logs.memory_monitor import MemoryMonitor
+from training_logs.plots import plot_step_loss, plot_training
+from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
 COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", "loader_batch",
-           "accumulation_steps", "optimizer_steps", "tokens_seen", "train_loss", "val_perplexity", "val_accuracy",
-           "val_loss",
-           "next_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance", "ortho_variance", "T_ip",
-           "T_ortho", "grad_sq_norm", "communications", "bytes_communicated", "wall_time", "trainers_alive"]
+           "accumulation_steps", "optimizer_steps", "tokens_seen", "global_tokens", "train_loss", "val_perplexity",
+           "val_accuracy", "val_loss", "next_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
+           "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "communications", "bytes_communicated", "wall_time",
+           "trainers_alive"]
 MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes"]
+TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
+           "accumulation_steps", "num_nodes", "tokens_seen")
 
 
 class TrainingLogger:
-    def __init__(self, report_dir: Path, tracker: Tracker, metric: str = "val_perplexity",
+    def __init__(self, report_dir: Path, tracker: Tracker, memory: MemoryMonitor, metric: str = "val_perplexity",
                  higher_is_better: bool = False) -> None:
         report_dir.mkdir(parents=True, exist_ok=True)
-        self.report_dir, self.tracker = report_dir, tracker
+        self.report_dir, self.tracker, self.memory = report_dir, tracker, memory
         self.metric, self.higher_is_better = metric, higher_is_better
         self.csv_path = report_dir / "training_log.csv"
         self.merge_path = report_dir / "merge_events.csv"
+        self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv")
         self._lock = threading.Lock()
         for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
             with path.open("w", newline="") as f:
@@ -42,13 +48,18 @@ class TrainingLogger:
                 writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
 
     def log_initial(self, metrics: dict[str, float], trainer_ids: list[int]) -> None:
-        rows = [{"outer_step": 0, "trainer_id": t, **metrics, "tokens_seen": 0,
+        rows = [{"outer_step": 0, "trainer_id": t, **metrics, "tokens_seen": 0, "global_tokens": 0,
                  "optimizer_steps": 0, "communications": 0, "bytes_communicated": 0, "wall_time": 0.0,
                  "trainers_alive": len(trainer_ids)} for t in trainer_ids]
         with self._lock:
             self._append(self.csv_path, COLUMNS, rows)
-        self.tracker.log({**{f"global/{k}": v for k, v in metrics.items()},
-                          "global/trainers_alive": float(len(trainer_ids))}, 0)
+        scalars = {f"trainer_{t}/{k}": v for t in trainer_ids for k, v in metrics.items()}
+        scalars.update({f"global/{k}": v for k, v in metrics.items()})
+        scalars["global/trainers_alive"] = float(len(trainer_ids))
+        self.tracker.log(scalars, 0)
+
+    def log_step_losses(self, rows: list[dict]) -> None:
+        self.step_losses.log(rows)
 
     def log_step(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> None:
         for row in rows:
@@ -61,24 +72,35 @@ class TrainingLogger:
             self.batch_increases += sum(r["next_requested_batch"] > r["requested_batch"] for r in rows)
             self.accumulation_used |= any(r["accumulation_steps"] > 1 for r in rows)
         step = rows[0]["outer_step"]
-        metrics: dict[str, float] = {}
-        for r in rows:
-            for key in ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
-                        "accumulation_steps", "num_nodes", "tokens_seen"):
-                if key in r:
-                    metrics[f"trainer_{r['trainer_id']}/{key}"] = float(r[key])
-        metrics.update({
-            f"global/{self.metric}": (max if self.higher_is_better else min)(r[self.metric] for r in rows),
+        scalars = {f"trainer_{r['trainer_id']}/{k}": float(r[k]) for r in rows for k in TRACKED if k in r}
+        pick = max if self.higher_is_better else min
+        scalars.update({
+            f"global/{self.metric}": pick(r[self.metric] for r in rows),
+            "global/train_loss": sum(r["train_loss"] for r in rows) / len(rows),
             "global/trainers_alive": float(trainers_alive),
-            "global/tokens_seen": float(sum(r["tokens_seen"] for r in rows)),
+            "global/tokens_seen": float(rows[-1]["global_tokens"]),
             "global/communications": float(rows[-1]["communications"] + (1 if merge_event else 0)),
             "global/bytes_communicated": float(rows[-1]["bytes_communicated"] + (merge_event or {}).get("bytes", 0)),
+            "global/merges": float(self.merges),
         })
-        self.tracker.log(metrics, step)
+        self.tracker.log(scalars, step)
 
-    def plot(self) -> list[Path]:
+    def plot(self, step: int) -> list[Path]:
         with self._lock:
-            return plot_training(self.csv_path, self.merge_path, self.report_dir, self.metric)
+            paths = plot_training(self.csv_path, self.merge_path, self.report_dir, self.metric, self.higher_is_better)
+        step_plot = plot_step_loss(self.step_losses.path, self.merge_path, self.report_dir / "step_loss.png")
+        paths += [step_plot] if step_plot else []
+        paths.append(self.memory.plot())
+        for path in paths:
+            self.tracker.log_image(path.stem, path, step)
+        return paths
+
+    def finish(self, summary: dict) -> None:
+        """Final artifacts: the CSV files and the summary."""
+        for path in (self.csv_path, self.merge_path, self.step_losses.path, self.memory.csv_path):
+            self.tracker.log_artifact(path.name, path)
+        self.tracker.log_artifact("summary", summary)
 
     def close(self) -> None:
+        self.step_losses.close()
         self.tracker.close()

@@ -135,6 +135,16 @@ class Config:
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
                                  min=0)
     plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end).", min=1)
+    # --- tracking ---
+    clearml_mode: str = _f("auto", "ClearML tracking: online, offline (a session zip to import later), auto "
+                           "(online when ClearML credentials are configured, else offline) or off.",
+                           choices=("auto", "online", "offline", "off"))
+    clearml_timeout_s: float = _f(5.0, "Seconds to wait for the ClearML server before falling back to offline.",
+                                  min=0.1)
+    tensorboard: bool = _f(False, "Also write the scalars as TensorBoard event files (run_dir/tensorboard).")
+    inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.")
+    memory_sample_interval_s: float = _f(0.05, "How often the memory monitor samples RSS during a round.",
+                                         min=0.001)
 
     def __post_init__(self) -> None:
         if self.outer_nesterov and self.outer_momentum == 0:
@@ -211,6 +221,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
             raise ConfigError(key, f"expected a number, got {value!r}")
         value = float(value)
     elif tp is str:
+        if isinstance(value, bool) and ("off" if not value else "on") in (meta.get("choices") or ()):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {value!r}")
     choices = meta.get("choices")

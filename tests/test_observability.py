@@ -1,0 +1,168 @@
+"""ClearML (offline session read back), TensorBoard read back, memory monitor, step-loss log,
+plots, and loggers hammered from many threads."""
+
+import csv
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+
+import pytest
+
+from run import train
+from tests.conftest import ROOT, TINY
+from training_logs.memory_monitor import MemoryMonitor
+from training_logs.step_loss_logger import StepLossLogger
+from training_logs.trackers import JsonlTracker, Tracker
+from training_logs.training_monitoring import TrainingLogger
+
+
+def clearml_env(tmp_path, **extra):
+    conf = tmp_path / "clearml.conf"
+    conf.write_text("sdk { development { report_use_subprocess: false } }\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLEARML")}
+    env.update(CLEARML_CACHE_DIR=str(tmp_path / "clearml_cache"), CLEARML_CONFIG_FILE=str(conf), HOME=str(tmp_path),
+               **extra)
+    return env
+
+
+def run_cli(tmp_path, cache_dir, env, *overrides, timeout=300):
+    args = [*TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path / 'logs'}", "run_name=r", *overrides]
+    start = time.time()
+    proc = subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, time.time() - start
+
+
+def read_offline_session(tmp_path):
+    [folder] = glob.glob(str(tmp_path / "clearml_cache" / "offline" / "offline-*[!p]"))
+    events = []
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        for line in f:
+            events += json.loads(line)
+    task = json.load(open(os.path.join(folder, "task.json")))
+    return folder, events, task
+
+
+def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
+    env = clearml_env(tmp_path, CLEARML_OFFLINE_MODE="1")
+    proc, _ = run_cli(tmp_path, cache_dir, env, "clearml_mode=auto", "num_outer_steps=3", "plot_every=2")
+    folder, events, task = read_offline_session(tmp_path)
+    assert os.path.isfile(folder + ".zip") and "import-offline-session" in proc.stdout + proc.stderr
+    scalars = [(e["metric"], e["variant"], e["iter"]) for e in events if e["type"] == "training_stats_scalar"]
+    assert len(scalars) == len(set(scalars)), "an iteration was reported twice"
+    pairs = {(m, v) for m, v, _ in scalars}
+    for expected in [("val_perplexity", "trainer_0"), ("val_perplexity", "global"), ("train_loss", "trainer_1"),
+                     ("requested_batch", "trainer_0"), ("loader_batch", "trainer_0"),
+                     ("accumulation_steps", "trainer_0"), ("num_nodes", "trainer_0"), ("trainers_alive", "global"),
+                     ("tokens_seen", "global"), ("communications", "global"), ("bytes_communicated", "global"),
+                     ("process_rss_mib", "memory_before_round"), ("process_rss_mib", "memory_round_peak")]:
+        assert expected in pairs, expected
+    assert sorted({i for m, v, i in scalars if (m, v) == ("val_perplexity", "global")}) == [0, 1, 2, 3]
+    images = {e["variant"] for e in events if e["type"] == "training_debug_image"}
+    assert {"val_perplexity_per_trainer", "requested_batch_per_trainer", "memory_usage", "step_loss"} <= images
+    artifacts = {a["key"] for a in task["execution"]["artifacts"]}
+    assert {"training_log.csv", "step_loss_log.csv", "summary"} <= artifacts
+    assert "config" in task["hyperparams"]
+    with zipfile.ZipFile(folder + ".zip") as zf:
+        assert any(name.endswith("metrics.jsonl") for name in zf.namelist())
+
+
+def test_unreachable_clearml_server_falls_back_to_offline_quickly(tmp_path, cache_dir):
+    silent = socket.socket()  # accepts TCP connections (backlog) but never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    host = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    env = clearml_env(tmp_path, CLEARML_API_ACCESS_KEY="key", CLEARML_API_SECRET_KEY="secret",
+                      CLEARML_API_HOST=host, CLEARML_WEB_HOST=host, CLEARML_FILES_HOST=host)
+    try:
+        proc, elapsed = run_cli(tmp_path, cache_dir, env, "clearml_mode=online", "clearml_timeout_s=1",
+                                "num_outer_steps=1", timeout=240)
+    finally:
+        silent.close()
+    assert "did not answer within 1 s; using an offline session" in proc.stdout + proc.stderr
+    assert glob.glob(str(tmp_path / "clearml_cache" / "offline" / "*.zip"))
+    assert elapsed < 120
+
+
+def test_tensorboard_scalars_read_back(tiny_config):
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    run_dir, _ = train(tiny_config("run_name=tb", "tensorboard=true"))
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={SCALARS: 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"trainer_0/val_perplexity", "global/val_perplexity", "global/trainers_alive",
+            "memory_round_peak/process_rss_mib"} <= tags
+    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["trainer_id"] == "0"]
+    csv_ppl = {int(r["outer_step"]): float(r["val_perplexity"]) for r in rows}
+    tb_ppl = {e.step: e.value for e in acc.Scalars("trainer_0/val_perplexity")}
+    assert tb_ppl.keys() == csv_ppl.keys()
+    for step, value in csv_ppl.items():
+        assert tb_ppl[step] == pytest.approx(value, rel=1e-5)
+
+
+def test_memory_step_loss_and_plots_of_a_run(tiny_config):
+    run_dir, summary = train(tiny_config("run_name=obs", "num_outer_steps=2", "merge_frequency=2"))
+    with (run_dir / "memory_report" / "memory_log.csv").open() as f:
+        memory = list(csv.DictReader(f))
+    stages = [(r["outer_step"], r["stage"]) for r in memory]
+    assert stages == [("1", "before_round"), ("1", "round_peak"), ("1", "after_outer_step"),
+                      ("2", "before_round"), ("2", "round_peak"), ("2", "after_outer_step"), ("2", "after_merge")]
+    for before, peak in zip(memory[0::3], memory[1::3]):
+        assert float(peak["process_rss_mib"]) >= float(before["process_rss_mib"]) > 0
+    with (run_dir / "model_training_report" / "step_loss_log.csv").open() as f:
+        steps = list(csv.DictReader(f))
+    assert len(steps) == 2 * 2 * 3  # outer steps x nodes x inner steps
+    assert {r["inner_step"] for r in steps} == {"0", "1", "2"} and all(float(r["loss"]) > 0 for r in steps)
+    assert {r["learning_rate"] for r in steps} == {"0.003"}
+    assert {r["micro_batch"] for r in steps if r["outer_step"] == "1"} == {"2"}  # initial_batch_size
+    report = run_dir / "model_training_report"
+    for name in ("val_perplexity_vs_tokens.png", "val_perplexity_vs_communications.png", "node_assignment.png",
+                 "step_loss.png", "trainers_alive.png"):
+        assert (report / name).stat().st_size > 5000, name
+    assert (run_dir / "memory_report" / "memory_usage.png").is_file()
+
+
+class _Null(Tracker):
+    def log(self, metrics, step):
+        pass
+
+
+def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path):
+    steps = StepLossLogger(tmp_path / "steps.csv")
+    jsonl = JsonlTracker(tmp_path / "metrics.jsonl")
+    logger = TrainingLogger(tmp_path / "report", _Null(), MemoryMonitor(tmp_path / "mem", ["cpu"], _Null()))
+    threads, per_thread = 16, 200
+
+    def work(t):
+        for i in range(per_thread):
+            steps.log([{"outer_step": t, "trainer_id": t, "node_id": i, "inner_step": 0, "loss": 1.0,
+                        "micro_batch": 1, "accumulation_steps": 1, "learning_rate": 0.1}])
+            jsonl.log({"thread": float(t), "i": float(i)}, i)
+            logger.log_step([{"outer_step": i, "trainer_id": t, "requested_batch": 1, "next_requested_batch": 1,
+                              "accumulation_steps": 1, "train_loss": 1.0, "val_perplexity": 2.0, "global_tokens": 0,
+                              "communications": 0, "bytes_communicated": 0}], None, 1)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    steps.close()
+    jsonl.close()
+    with (tmp_path / "steps.csv").open() as f:
+        rows = [(r["trainer_id"], r["node_id"]) for r in csv.DictReader(f)]
+    assert len(rows) == len(set(rows)) == threads * per_thread
+    lines = [json.loads(line)["metrics"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len({(m["thread"], m["i"]) for m in lines}) == len(lines) == threads * per_thread
+    with logger.csv_path.open() as f:
+        rows = [(r["trainer_id"], r["outer_step"]) for r in csv.DictReader(f)]
+    assert len(rows) == len(set(rows)) == threads * per_thread

@@ -1,0 +1,84 @@
+"""Memory at named stages of every outer step: process RSS and system memory (psutil), and per CUDA
+device allocated / reserved / peak. The round's peak RSS is sampled by a background thread.
+
+Stages: before_round, round_peak, after_outer_step, after_merge. Rows go to memory_log.csv, a plot to
+memory_usage.png, and the numbers to the trackers as memory/<quantity> with the stage as the series.
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+from pathlib import Path
+
+import psutil
+import torch
+
+from training_logs.trackers import Tracker
+
+MiB = float(1 << 20)
+STAGES = ("before_round", "round_peak", "after_outer_step", "after_merge")
+
+
+class MemoryMonitor:
+    def __init__(self, out_dir: Path, devices: list[str], tracker: Tracker, interval_s: float = 0.05) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir, self.tracker, self.interval_s = out_dir, tracker, interval_s
+        self.cuda_devices = sorted({d for d in devices if d.startswith("cuda")}) if torch.cuda.is_available() else []
+        self.process = psutil.Process()
+        self.csv_path = out_dir / "memory_log.csv"
+        self.columns = ["outer_step", "stage", "process_rss_mib", "system_used_mib", "system_available_mib"]
+        for d in self.cuda_devices:
+            self.columns += [f"{d}_allocated_mib", f"{d}_reserved_mib", f"{d}_peak_mib"]
+        with self.csv_path.open("w", newline="") as f:
+            csv.writer(f).writerow(self.columns)
+        self.rows: list[dict] = []
+        self._peak_rss = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _snapshot(self) -> dict[str, float]:
+        vm = psutil.virtual_memory()
+        row = {"process_rss_mib": self.process.memory_info().rss / MiB, "system_used_mib": vm.used / MiB,
+               "system_available_mib": vm.available / MiB}
+        for d in self.cuda_devices:
+            row[f"{d}_allocated_mib"] = torch.cuda.memory_allocated(d) / MiB
+            row[f"{d}_reserved_mib"] = torch.cuda.memory_reserved(d) / MiB
+            row[f"{d}_peak_mib"] = torch.cuda.max_memory_allocated(d) / MiB
+        return row
+
+    def _sample_peak(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._peak_rss = max(self._peak_rss, self.process.memory_info().rss)
+
+    def record(self, stage: str, outer_step: int) -> dict[str, float]:
+        row = {"outer_step": outer_step, "stage": stage, **self._snapshot()}
+        if stage == "round_peak":
+            row["process_rss_mib"] = max(row["process_rss_mib"], self._peak_rss / MiB)
+        self.rows.append(row)
+        with self.csv_path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(
+                {k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in row.items()})
+        self.tracker.log({f"memory_{stage}/{k}": v for k, v in row.items() if k.endswith("_mib")}, outer_step)
+        return row
+
+    def begin_round(self, outer_step: int) -> None:
+        for d in self.cuda_devices:
+            torch.cuda.reset_peak_memory_stats(d)
+        self.record("before_round", outer_step)
+        self._peak_rss = self.process.memory_info().rss
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample_peak, name="memory-monitor", daemon=True)
+        self._thread.start()
+
+    def end_round(self, outer_step: int) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.record("round_peak", outer_step)
+
+    def plot(self) -> Path:
+        from training_logs.plots import plot_memory
+
+        return plot_memory(self.rows, self.cuda_devices, self.out_dir / "memory_usage.png")
+

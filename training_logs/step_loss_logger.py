@@ -1,0 +1,34 @@
+"""step_loss_log.csv: one row per node per inner optimizer step, safe to call from many threads.
+
+Each call appends whole rows under one lock and flushes, so rows are never lost, split or duplicated,
+whatever the thread timing.
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+from pathlib import Path
+
+COLUMNS = ["outer_step", "trainer_id", "node_id", "inner_step", "loss", "micro_batch", "accumulation_steps",
+           "learning_rate"]
+
+
+class StepLossLogger:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._file = path.open("w", newline="")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(COLUMNS)
+        self._file.flush()
+
+    def log(self, rows: list[dict]) -> None:
+        with self._lock:
+            for row in rows:
+                self._writer.writerow([row[c] for c in COLUMNS])
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
