@@ -138,6 +138,7 @@ class ClusterController:
         self.assignment: dict[int, list[int]] = {}
         self.communications = 0  # outer synchronisations (one per trainer per round) and merges
         self.tokens_total = 0
+        self.last_outer_step = 0
         self.bytes_communicated = 0
 
     # -------------------------------------------------------------------------------------------
@@ -247,6 +248,10 @@ class ClusterController:
                 save_checkpoint(self.weights_dir, f"outer_step_{outer_step:04d}", self.trainers)
             if outer_step % cfg.plot_every == 0:
                 self.logger.plot(outer_step)
+            self.last_outer_step = outer_step
+            if cfg.max_tokens and self.tokens_total >= cfg.max_tokens:
+                log.info("token budget reached: %d >= max_tokens %d", self.tokens_total, cfg.max_tokens)
+                break
         bar.close()
         self.backend.close()
         return self._finish(initial.value, time.time() - start)
@@ -269,11 +274,11 @@ class ClusterController:
         final_id = min(scores, key=lambda t: (sign * scores[t], t))
         final = self.trainers[final_id]
         save_checkpoint(self.weights_dir, "final", self.trainers, self.evaluator.model, self.data.tokenizer, final_id)
-        self.logger.plot(self.cfg.num_outer_steps)
+        self.logger.plot(self.last_outer_step)
         summary = {
             "metric": self.evaluator.metric, "initial_metric": initial_metric, "final_trainer": final_id,
             "final_metric": scores[final_id], "surviving_trainers": scores,
-            "outer_steps": self.cfg.num_outer_steps, "wall_time_s": wall,
+            "outer_steps": self.last_outer_step, "wall_time_s": wall,
             "tokens_seen": self.tokens_total,
             "communications": self.communications, "bytes_communicated": self.bytes_communicated,
             "final_requested_batch": final.requested_batch,

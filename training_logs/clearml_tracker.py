@@ -19,6 +19,8 @@ from training_logs.trackers import Tracker, split_key
 
 log = logging.getLogger(__name__)
 DEFAULT_API = "https://api.clear.ml"
+FRAMEWORK_HOOKS = ("matplotlib", "tensorflow", "tensorboard", "pytorch", "xgboost", "scikit", "fastai", "lightgbm",
+                   "hydra", "tfdefines", "joblib", "megengine", "catboost", "gradio")
 
 
 def clearml_credentials() -> str | None:
@@ -68,8 +70,12 @@ class ClearMLTracker(Tracker):
         self.mode = resolve_mode(mode, timeout_s)
         if self.mode == "offline":
             Task.set_offline(True)
+        # No framework hooks (they would report our scalars twice). Repository and package detection
+        # only online: offline it would scan packages in the background while training runs.
+        frameworks = {name: False for name in FRAMEWORK_HOOKS}
+        frameworks["detect_repository"] = self.mode == "online"
         self.task = Task.init(project_name=project, task_name=task_name, reuse_last_task_id=False,
-                              auto_connect_frameworks=False, auto_resource_monitoring=False,
+                              auto_connect_frameworks=frameworks, auto_resource_monitoring=False,
                               auto_connect_streams=False, auto_connect_arg_parser=False)
         self.task.connect(config, name="config")
         self.logger = self.task.get_logger()

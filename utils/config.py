@@ -97,6 +97,8 @@ class Config:
     distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient) or "
                                "LocalSGD (inner SGD, outer = plain average).", choices=("DiLoCo", "LocalSGD"))
     num_outer_steps: int = _f(12, "Outer steps (synchronisation rounds).", min=1)
+    max_tokens: int = _f(0, "Stop after the outer step at which all trainers together have seen this many "
+                         "tokens (a token budget for fair comparisons); 0 = run all num_outer_steps.", min=0)
     num_inner_steps: int = _f(20, "Inner optimizer steps per node per round (not micro-batches).", min=1)
     lr_inner: float = _f(3e-3, "Inner learning rate (AdamW for DiLoCo, SGD for LocalSGD).", min=0.0)
     lr_outer: float = _f(0.5, "Outer SGD learning rate (DiLoCo). Paper: 0.5; DiLoCo paper: 0.7.", min=0.0)

@@ -1,0 +1,308 @@
+"""How noisy are mini-batch gradients at a checkpoint? (what the norm test reasons about)
+
+    python -m gradient_analysis.gradient_analysis --config gradient_analysis/config_analyze_gradient.yaml \
+        [key=value ...]
+
+For N chosen training samples it computes the exact full gradient g = (1/N) sum_i grad l_i (each
+sample's loss is its mean token NLL, so g is exact however the samples are cut into chunks), then for
+every batch size B the gradient g_B of disjoint random mini-batches and
+  ||g_B - g||, ||g_B - g|| / ||g||,
+  the per-sample variance sigma^2 = B * mean ||g_B - g||^2 * (N - 1) / (N - B)   (finite-population
+  correction: mini-batches are drawn without replacement from the N samples; B = N gives 0),
+  and the batch the norm test would request: sigma^2 / (eta^2 ||g||^2).
+Gradients are streamed: only the full gradient and one mini-batch gradient are held at a time (two
+fp32 vectors of the parameter count), never all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from utils.config import _build, _f, load_config, parse_overrides
+from utils.errors import UserError
+
+log = logging.getLogger("gradient_analysis")
+
+
+@dataclass
+class AnalysisConfig:
+    train_config: str = _f("", "Training config giving dataset, model and tokenizer keys; empty = the config.yaml "
+                           "of the run the checkpoint belongs to, else ./config.yaml.")
+    train_overrides: list[str] = _f([], "key=value overrides of the training config (e.g. dataset=c4).")
+    checkpoint_path: str = _f("", "trainer_<id>.safetensors of a run, a Hugging Face model directory "
+                              "(e.g. model_weights/final/final_model), or empty for the preset at initialisation.")
+    num_samples: int = _f(64, "Training samples (sequences) over which the full gradient is taken.", min=2)
+    batch_sizes: list[int] = _f([1, 2, 4, 8], "Mini-batch sizes to analyse.")
+    repeats: int = _f(1, "Independent shuffles per batch size (more mini-batches for large B).", min=1)
+    chunk_size: int = _f(8, "Largest number of samples in one forward/backward pass.", min=1)
+    eta: float = _f(0.8, "eta of the norm test for the requested-batch column.", min=1e-6)
+    device: str = _f("cpu", "cpu, cuda or cuda:N (cuda falls back to cpu when unavailable).")
+    output_dir: str = _f("gradient_plots", "Where PNGs, JSON and CSV go.")
+    seed: int = _f(42, "Seed of the sample choice and the mini-batch shuffles.", min=0)
+    clearml_mode: str = _f("off", "Report to ClearML: off, offline, online, auto.",
+                           choices=("off", "offline", "online", "auto"))
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or any(b < 1 or b > self.num_samples for b in self.batch_sizes):
+            from utils.errors import ConfigError
+
+            raise ConfigError("batch_sizes", f"each must be in [1, num_samples={self.num_samples}]")
+
+
+@dataclass
+class BatchSizeResult:
+    batch_size: int
+    deviations: list[float] = field(default_factory=list)  # ||g_B - g|| per mini-batch
+    grad_norm: float = 0.0
+    num_samples: int = 0
+
+    def summary(self, eta: float) -> dict[str, float]:
+        d = np.asarray(self.deviations, dtype=np.float64)
+        b, n = self.batch_size, self.num_samples
+        mean_sq = float((d**2).mean())
+        fpc = (n - 1) / (n - b) if b < n else 0.0
+        variance = b * mean_sq * fpc
+        centred = d - d.mean()
+        kurtosis = float((centred**4).mean() / (centred**2).mean() ** 2 - 3) if len(d) > 1 and d.std() > 0 else 0.0
+        return {"batch_size": b, "num_batches": len(d), "mean_deviation": float(d.mean()),
+                "median_deviation": float(np.median(d)), "std_deviation": float(d.std()),
+                "mean_relative_deviation": float(d.mean()) / self.grad_norm if self.grad_norm else float("nan"),
+                "mean_squared_deviation": mean_sq, "per_sample_variance": variance,
+                "norm_test_batch": variance / (eta**2 * self.grad_norm**2) if self.grad_norm else float("nan"),
+                "excess_kurtosis": kurtosis}
+
+
+def per_sample_loss(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """Loss of each sample: mean token NLL (language model) or cross-entropy (classifier)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    if labels is not None:
+        return F.cross_entropy(logits, labels, reduction="none")
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none", ignore_index=-100)
+    return nll.sum(1) / (targets != -100).sum(1).clamp(min=1)
+
+
+class GradientProbe:
+    """Exact gradients of mean per-sample losses over index sets, streamed in chunks."""
+
+    def __init__(self, model, data, device: str, chunk_size: int) -> None:
+        self.model, self.data, self.device, self.chunk = model, data, device, chunk_size
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        model.train()
+
+    def gradient(self, indices: torch.Tensor) -> torch.Tensor:
+        """(1/|I|) sum_{i in I} grad l_i as one flat fp32 vector on the device."""
+        for p in self.params:
+            p.grad = None
+        for chunk in indices.split(self.chunk):
+            ids = self.data.input_ids[chunk].to(self.device)
+            mask = self.data.attention_mask[chunk].to(self.device)
+            labels = None if self.data.labels is None else self.data.labels[chunk].to(self.device)
+            # weight |chunk| / |I|: the sum over chunks is exactly the mean over I
+            (per_sample_loss(self.model, ids, mask, labels).sum() / len(indices)).backward()
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in self.params])
+
+
+def analyse(probe: GradientProbe, sample: torch.Tensor, batch_sizes: list[int], repeats: int, seed: int,
+            progress: bool = True) -> tuple[torch.Tensor, dict[int, BatchSizeResult]]:
+    full = probe.gradient(sample).clone()
+    norm = float(full.norm())
+    results = {}
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(repeats * (len(sample) // b) for b in batch_sizes)
+    bar = tqdm(total=total, desc="mini-batch gradients", disable=not progress)
+    for b in batch_sizes:
+        res = BatchSizeResult(b, grad_norm=norm, num_samples=len(sample))
+        for _ in range(repeats):
+            order = sample[torch.randperm(len(sample), generator=gen)]
+            for k in range(len(sample) // b):  # disjoint mini-batches of one shuffle
+                g = probe.gradient(order[k * b : (k + 1) * b])
+                res.deviations.append(float((g - full).norm()))
+                bar.update()
+        results[b] = res
+    bar.close()
+    return full, results
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def load_model(cfg: AnalysisConfig, train_cfg, tokenizer):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from fabrics.models import build_model, load_float_state
+    from utils.checkpoint import load_trainer_weights
+
+    path = Path(cfg.checkpoint_path).expanduser() if cfg.checkpoint_path else None
+    if path is not None and path.is_dir():
+        auto = AutoModelForSequenceClassification if train_cfg.model_type == "bert" else AutoModelForCausalLM
+        try:
+            return auto.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"checkpoint_path: {path} is not a model directory ({type(exc).__name__})") from None
+    model = build_model(train_cfg, len(tokenizer), tokenizer.pad_token_id)
+    if path is not None:
+        state = load_trainer_weights(path)
+        missing = set(k for k in model.state_dict() if torch.is_floating_point(model.state_dict()[k])) - set(state)
+        if missing or any(state[k].shape != model.state_dict()[k].shape for k in state if k in model.state_dict()):
+            raise UserError(f"checkpoint_path: {path} does not fit the model of the training config "
+                            f"({train_cfg.model_config.name}); set train_config to the run's config.yaml")
+        load_float_state(model, state)
+    return model
+
+
+def find_train_config(cfg: AnalysisConfig) -> Path:
+    if cfg.train_config:
+        return Path(cfg.train_config)
+    if cfg.checkpoint_path:
+        for parent in Path(cfg.checkpoint_path).expanduser().resolve().parents:
+            if (parent / "config.yaml").is_file() and (parent / "model_weights").is_dir():
+                return parent / "config.yaml"  # the run directory the checkpoint belongs to
+    return Path(__file__).resolve().parents[1] / "config.yaml"
+
+
+def plot_histograms(results: dict[int, BatchSizeResult], summaries: dict[int, dict], info: dict, out: Path) -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for b, res in results.items():
+        s = summaries[b]
+        fig, ax = plt.subplots(figsize=(8, 5))
+        ax.hist(res.deviations, bins=min(50, max(5, len(res.deviations) // 2)), density=True, color="tab:blue",
+                edgecolor="black", alpha=0.8)
+        ax.axvline(s["mean_deviation"], color="red", ls="--", label=f"mean {s['mean_deviation']:.4g}")
+        ax.axvline(s["median_deviation"], color="green", ls=":", label=f"median {s['median_deviation']:.4g}")
+        ax.set(title=f"Mini-batch gradient deviation from the full gradient (B = {b})",
+               xlabel=r"$\|\nabla F_B(x) - \nabla F(x)\|$", ylabel="probability density")
+        text = "\n".join([f"model: {info['model']}", f"checkpoint: {info['checkpoint']}",
+                          f"dataset: {info['dataset']}", f"samples: {info['num_samples']}", f"batch size: {b}",
+                          f"mini-batches: {s['num_batches']}", f"excess kurtosis: {s['excess_kurtosis']:.3g}"])
+        ax.text(0.98, 0.97, text, transform=ax.transAxes, ha="right", va="top", fontsize=8,
+                bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
+        ax.legend(loc="upper left")
+        fig.tight_layout()
+        path = out / f"gradient_deviation_hist_B{b}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    sizes = sorted(summaries)
+    means = [summaries[b]["mean_deviation"] for b in sizes]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.loglog(sizes, means, "o-", label="mean deviation")
+    ref = [means[0] * math.sqrt(sizes[0] / b) for b in sizes]
+    ax.loglog(sizes, ref, "k--", label=r"$\propto 1/\sqrt{B}$")
+    ax.set(title="Mean deviation against batch size", xlabel="batch size B", ylabel=r"mean $\|g_B - g\|$")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "deviation_vs_batch_size.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [*paths, path]
+
+
+def run(cfg: AnalysisConfig) -> dict:
+    from fabrics.dataset_loader import load_corpus
+    from fabrics.models import count_parameters
+
+    train_cfg_path = find_train_config(cfg)
+    train_cfg = load_config(train_cfg_path, cfg.train_overrides)
+    device = cfg.device if (not cfg.device.startswith("cuda") or torch.cuda.is_available()) else "cpu"
+    checkpoint = Path(cfg.checkpoint_path).expanduser() if cfg.checkpoint_path else None
+    if checkpoint is not None and not checkpoint.is_dir():
+        from utils.checkpoint import load_trainer_weights
+
+        load_trainer_weights(checkpoint)  # fail on a missing or corrupt file before any data work
+    data = load_corpus(train_cfg)
+    if cfg.num_samples > len(data.train):
+        raise UserError(f"num_samples: {cfg.num_samples} requested, the data has {len(data.train)} sequences")
+    model = load_model(cfg, train_cfg, data.tokenizer).to(device)
+    n_params = count_parameters(model)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    sample = torch.randperm(len(data.train), generator=gen)[: cfg.num_samples]
+    probe = GradientProbe(model, data.train, device, cfg.chunk_size)
+    full, results = analyse(probe, sample, sorted(set(cfg.batch_sizes)), cfg.repeats, cfg.seed)
+    summaries = {b: r.summary(cfg.eta) for b, r in results.items()}
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"model": train_cfg.model_config.name, "checkpoint": cfg.checkpoint_path or "initialisation",
+            "dataset": train_cfg.dataset, "num_samples": cfg.num_samples, "parameters": n_params,
+            "full_gradient_norm": float(full.norm()), "train_config": str(train_cfg_path), "device": device,
+            "gradient_memory_mib": 2 * n_params * 4 / 2**20,
+            "process_peak_rss_mib": psutil.Process().memory_info().rss / 2**20}
+    report = {"info": info, "summary": [summaries[b] for b in sorted(summaries)],
+              "deviations": {str(b): r.deviations for b, r in results.items()}}
+    (out / "gradient_analysis.json").write_text(json.dumps(report, indent=2))
+    with (out / "gradient_deviations.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["batch_size", "batch_index", "deviation", "relative_deviation"])
+        for b, r in results.items():
+            for k, d in enumerate(r.deviations):
+                w.writerow([b, k, f"{d:.8g}", f"{d / r.grad_norm:.8g}" if r.grad_norm else ""])
+    with (out / "gradient_summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(report["summary"][0]))
+        w.writeheader()
+        w.writerows(report["summary"])
+    plots = plot_histograms(results, summaries, info, out)
+    if cfg.clearml_mode != "off":
+        from training_logs.clearml_tracker import ClearMLTracker
+
+        tracker = ClearMLTracker(train_cfg.project_name, "gradient analysis",
+                                 {**info, "batch_sizes": cfg.batch_sizes}, cfg.clearml_mode, 5.0)
+        for s in report["summary"]:
+            tracker.log({f"gradient/{k}": float(v) for k, v in s.items() if k != "batch_size"}, s["batch_size"])
+        for p in plots:
+            tracker.log_image(p.stem, p, 0)
+        tracker.log_artifact("gradient_analysis", report["info"])
+        tracker.close()
+    log.info("full gradient norm %.4g over %d samples; model %s (%d parameters, gradient vectors held: %.1f MiB)",
+             info["full_gradient_norm"], cfg.num_samples, info["model"], n_params, info["gradient_memory_mib"])
+    for s in report["summary"]:
+        log.info("B=%-4d mean ||g_B-g|| %.4g (relative %.3f), per-sample variance %.4g, norm test asks for %.1f",
+                 s["batch_size"], s["mean_deviation"], s["mean_relative_deviation"], s["per_sample_variance"],
+                 s["norm_test_batch"])
+    log.info("outputs in %s", out)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(Path(__file__).with_name("config_analyze_gradient.yaml")))
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        import yaml
+
+        path = Path(args.config)
+        if not path.is_file():
+            raise UserError(f"--config: file not found: {path}")
+        raw = yaml.safe_load(path.read_text()) or {}
+        raw = raw.get("script_settings", raw)  # the authors' file nests everything under script_settings
+        raw.update(parse_overrides(args.overrides))
+        run(_build(AnalysisConfig, raw))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

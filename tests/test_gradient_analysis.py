@@ -1,0 +1,97 @@
+"""gradient_analysis on a tiny model: exact full gradient, zero deviation at B = N, 1/B scaling, outputs."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from fabrics.dataset_loader import load_corpus
+from fabrics.models import build_model
+from gradient_analysis.gradient_analysis import GradientProbe, analyse, per_sample_loss
+from tests.conftest import ROOT, TINY
+
+
+@pytest.fixture(scope="module")
+def probe_setup(tmp_path_factory, cache_dir):
+    from utils.config import load_config
+
+    cfg = load_config(ROOT / "config.yaml", [*TINY, f"cache_dir={cache_dir}"])
+    data = load_corpus(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id).double()
+    return model, data
+
+
+def test_full_gradient_equals_one_pass_gradient_of_the_mean_loss(probe_setup):
+    model, data = probe_setup
+    sample = torch.arange(12)
+    streamed = GradientProbe(model, data.train, "cpu", chunk_size=5).gradient(sample)  # chunks of 5, 5, 2
+    for p in model.parameters():
+        p.grad = None
+    per_sample_loss(model, data.train.input_ids[sample], data.train.attention_mask[sample], None).mean().backward()
+    direct = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(streamed.double(), direct, rtol=1e-5, atol=1e-7)
+
+
+def test_one_batch_of_all_samples_has_zero_deviation(probe_setup):
+    model, data = probe_setup
+    probe = GradientProbe(model, data.train, "cpu", chunk_size=4)
+    full, results = analyse(probe, torch.arange(16), [16], repeats=1, seed=0, progress=False)
+    assert results[16].deviations[0] <= 1e-6 * float(full.norm())
+    assert results[16].summary(0.8)["per_sample_variance"] == 0.0
+
+
+def test_mean_squared_deviation_scales_like_one_over_b(probe_setup):
+    model, data = probe_setup
+    probe = GradientProbe(model, data.train, "cpu", chunk_size=8)
+    n = 48
+    _, results = analyse(probe, torch.arange(n), [1, 2, 4, 8], repeats=3, seed=1, progress=False)
+    variances = [results[b].summary(0.8)["per_sample_variance"] for b in (1, 2, 4, 8)]
+    # B * E||g_B - g||^2 * (N-1)/(N-B) estimates the same per-sample variance for every B
+    assert max(variances) / min(variances) < 1.6, variances
+    msd = [results[b].summary(0.8)["mean_squared_deviation"] for b in (1, 2, 4, 8)]
+    assert msd[0] > msd[1] > msd[2] > msd[3]
+    assert msd[0] / msd[3] == pytest.approx(8 * (n - 1) / (n - 8), rel=0.6)  # sigma^2 (N-B) / (B (N-1))
+
+
+def tiny_train_config(tmp_path, cache_dir):
+    """A training config file, as a run directory holds one."""
+    from utils.config import load_config
+
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(load_config(ROOT / "config.yaml", [*TINY, f"cache_dir={cache_dir}"]).to_dict()))
+    return path
+
+
+def test_command_line_tool_writes_every_number(tmp_path, cache_dir):
+    out = tmp_path / "plots"
+    overrides = ["num_samples=16", "batch_sizes=[2, 4, 16]", "repeats=1", f"output_dir={out}",
+                 f"train_config={tiny_train_config(tmp_path, cache_dir)}", "train_overrides=[val_size=4]"]
+    proc = subprocess.run([sys.executable, "-m", "gradient_analysis.gradient_analysis", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "gradient_analysis.json").read_text())
+    assert [s["batch_size"] for s in report["summary"]] == [2, 4, 16]
+    assert [s["num_batches"] for s in report["summary"]] == [8, 4, 1]
+    assert report["summary"][2]["mean_deviation"] < 1e-6 * report["info"]["full_gradient_norm"]
+    assert report["info"]["parameters"] > 0 and report["info"]["gradient_memory_mib"] > 0
+    with (out / "gradient_deviations.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 8 + 4 + 1
+    for b in (2, 4, 16):
+        assert (out / f"gradient_deviation_hist_B{b}.png").stat().st_size > 5000
+    assert (out / "deviation_vs_batch_size.png").is_file()
+
+
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, cache_dir):
+    bad = tmp_path / "trainer_0.safetensors"
+    bad.write_bytes(b"junk")
+    proc = subprocess.run([sys.executable, "-m", "gradient_analysis.gradient_analysis", f"checkpoint_path={bad}",
+                           f"train_config={tiny_train_config(tmp_path, cache_dir)}", f"output_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: checkpoint: {bad} is not a readable safetensors file "
+                                                "(Error while deserializing header: header too small)"]
