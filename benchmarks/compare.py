@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
         run_dir = run_variant(name, chosen[name], seed, args, out)
         results.setdefault(name, []).append(read_run(run_dir))
-    finals = {n: [r["summary"]["final_metric"] for r in runs] for n, runs in results.items()}
+    # final = the best trainer at the last outer step, from the same CSV as the curves
+    finals = {n: [r["curve"][-1]["ppl"] for r in runs] for n, runs in results.items()}
     target = args.target or (statistics.mean(finals["diloco"]) if "diloco" in finals else 0.0)
     table = []
     for name, runs in results.items():
