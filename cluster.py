@@ -135,7 +135,6 @@ class ClusterController:
         self.evaluator = Evaluator(replicate(model, cfg.devices[0]), data.val, cfg.eval_batch_size, cfg.devices[0])
         self.backend = RoundBackend(self.nodes, use_threads(cfg))
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
-        self.assignment: dict[int, list[int]] = {}
         self.communications = 0  # outer synchronisations (one per trainer per round) and merges
         self.tokens_total = 0
         self.last_outer_step = 0
@@ -145,11 +144,11 @@ class ClusterController:
     def _jobs(self) -> list[NodeJob]:
         cfg = self.cfg
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
-        self.assignment = assign_nodes(node_counts(requested, len(self.nodes)), self.owner)
+        assignment = assign_nodes(node_counts(requested, len(self.nodes)), self.owner)
         jobs = []
-        for t in sorted(self.assignment):
+        for t in sorted(assignment):
             trainer = self.trainers[t]
-            for node_id in self.assignment[t]:
+            for node_id in assignment[t]:
                 node = self.nodes[node_id]
                 loader_batch, accumulation = self.switch_mode.decide(trainer.requested_batch, node.max_batch)
                 n = cfg.num_inner_steps * accumulation * loader_batch
@@ -157,7 +156,7 @@ class ClusterController:
                 chunks = cfg.variance_micro_batches if cfg.variance_estimator == "micro_batches" else 1
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, chunks,
                                     reset_optimizer=self.owner[node_id] != t))
-        for t, node_ids in self.assignment.items():
+        for t, node_ids in assignment.items():
             for node_id in node_ids:
                 self.owner[node_id] = t
         return jobs

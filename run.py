@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from utils.config import Config, load_config
-from utils.errors import UserError
+from utils.errors import UserError, exit_code_of
 
 log = logging.getLogger("run")
 
@@ -91,15 +91,10 @@ def train(cfg: Config) -> tuple[Path, dict]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
-        train(cfg)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_code_of(lambda: train(load_config(args.config, args.overrides)))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

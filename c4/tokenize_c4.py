@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # allow `python c4/tokenize_c4.py` as well as `py
 from fabrics import c4_data  # noqa: E402
 from fabrics.dataset_loader import build_tokenizer, tokenize_and_pack  # noqa: E402
 from utils.config import load_config  # noqa: E402
-from utils.errors import UserError  # noqa: E402
+from utils.errors import UserError, exit_code_of  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,12 +110,8 @@ def tokenize_c4(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        tokenize_c4(parse_args(argv))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    args = parse_args(argv)
+    return exit_code_of(lambda: tokenize_c4(args))
 
 
 if __name__ == "__main__":

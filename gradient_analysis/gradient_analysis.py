@@ -31,28 +31,28 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from utils.config import _build, _f, load_config, parse_overrides
-from utils.errors import UserError
+from utils.config import documented, load_config
+from utils.errors import UserError, exit_code_of
 
 log = logging.getLogger("gradient_analysis")
 
 
 @dataclass
 class AnalysisConfig:
-    train_config: str = _f("", "Training config giving dataset, model and tokenizer keys; empty = the config.yaml "
-                           "of the run the checkpoint belongs to, else ./config.yaml.")
-    train_overrides: list[str] = _f([], "key=value overrides of the training config (e.g. dataset=c4).")
-    checkpoint_path: str = _f("", "trainer_<id>.safetensors of a run, a Hugging Face model directory "
+    train_config: str = documented("", "Training config giving dataset, model and tokenizer keys; empty = the "
+                                   "config.yaml of the run the checkpoint belongs to, else ./config.yaml.")
+    train_overrides: list[str] = documented([], "key=value overrides of the training config (e.g. dataset=c4).")
+    checkpoint_path: str = documented("", "trainer_<id>.safetensors of a run, a Hugging Face model directory "
                               "(e.g. model_weights/final/final_model), or empty for the preset at initialisation.")
-    num_samples: int = _f(64, "Training samples (sequences) over which the full gradient is taken.", min=2)
-    batch_sizes: list[int] = _f([1, 2, 4, 8], "Mini-batch sizes to analyse.")
-    repeats: int = _f(1, "Independent shuffles per batch size (more mini-batches for large B).", min=1)
-    chunk_size: int = _f(8, "Largest number of samples in one forward/backward pass.", min=1)
-    eta: float = _f(0.8, "eta of the norm test for the requested-batch column.", min=1e-6)
-    device: str = _f("cpu", "cpu, cuda or cuda:N (cuda falls back to cpu when unavailable).")
-    output_dir: str = _f("gradient_plots", "Where PNGs, JSON and CSV go.")
-    seed: int = _f(42, "Seed of the sample choice and the mini-batch shuffles.", min=0)
-    clearml_mode: str = _f("off", "Report to ClearML: off, offline, online, auto.",
+    num_samples: int = documented(64, "Training samples (sequences) over which the full gradient is taken.", min=2)
+    batch_sizes: list[int] = documented([1, 2, 4, 8], "Mini-batch sizes to analyse.")
+    repeats: int = documented(1, "Independent shuffles per batch size (more mini-batches for large B).", min=1)
+    chunk_size: int = documented(8, "Largest number of samples in one forward/backward pass.", min=1)
+    eta: float = documented(0.8, "eta of the norm test for the requested-batch column.", min=1e-6)
+    device: str = documented("cpu", "cpu, cuda or cuda:N (cuda falls back to cpu when unavailable).")
+    output_dir: str = documented("gradient_plots", "Where PNGs, JSON and CSV go.")
+    seed: int = documented(42, "Seed of the sample choice and the mini-batch shuffles.", min=0)
+    clearml_mode: str = documented("off", "Report to ClearML: off, offline, online, auto.",
                            choices=("off", "offline", "online", "auto"))
 
     def __post_init__(self) -> None:
@@ -288,20 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        import yaml
-
-        path = Path(args.config)
-        if not path.is_file():
-            raise UserError(f"--config: file not found: {path}")
-        raw = yaml.safe_load(path.read_text()) or {}
-        raw = raw.get("script_settings", raw)  # the authors' file nests everything under script_settings
-        raw.update(parse_overrides(args.overrides))
-        run(_build(AnalysisConfig, raw))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code_of(lambda: run(load_config(args.config, args.overrides, AnalysisConfig, "script_settings")))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, **bounds:
     return field(default=default, metadata=meta)
 
 
+documented = _f  # the public name, for other tools' typed configs (gradient_analysis)
+
+
 def _copy(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return dataclasses.replace(value)
@@ -196,7 +199,7 @@ def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
-        return _build(tp, value, prefix=f"{key}.")
+        return build_dataclass(tp, value, prefix=f"{key}.")
     if origin in (list,):
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -239,7 +242,7 @@ def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     return value
 
 
-def _build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+def build_dataclass(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -283,8 +286,12 @@ def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]
     return base
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML file (optional), apply overrides, validate everything, return a Config."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, schema: type | None = None,
+                section: str | None = None) -> Any:
+    """Read a YAML file (optional), apply overrides, validate everything into `schema` (default Config).
+
+    section: a top-level key whose mapping holds the settings, when present (the authors' gradient
+    tool nests them under script_settings)."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -299,8 +306,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError("--config", f"{path} must hold a mapping of keys to values")
         raw = loaded or {}
+        if section and isinstance(raw.get(section), dict):
+            raw = raw[section]
     _deep_update(raw, parse_overrides(overrides or []))
-    return _build(Config, raw)
+    return build_dataclass(schema or Config, raw)
 
 
 def markdown_table() -> str:

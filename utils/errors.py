@@ -1,4 +1,7 @@
-"""User-facing errors: run.py prints them as one line and exits with code 2, no traceback."""
+"""User-facing errors: the command-line tools print them as one line and exit with code 2, no traceback."""
+
+import sys
+from collections.abc import Callable
 
 
 class UserError(Exception):
@@ -15,3 +18,13 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Data could not be found, fetched or parsed."""
+
+
+def exit_code_of(action: Callable[[], object]) -> int:
+    """Run a command-line action: 0 on success, 2 with a one-line message for a UserError."""
+    try:
+        action()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
