@@ -19,9 +19,10 @@ import torch
 from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import build_batch_test
+from algorithms.calc_batch import ADAPTIVE, GradientSamples, build_batch_test
 from algorithms.policies import build_merge_policy
 from algorithms.switch_mode import build_switch_mode
+from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import Evaluator
 from fabrics.models import float_state, replicate
@@ -43,8 +44,7 @@ class RoundResult:
     train_loss: float
     tokens: int
     optimizer_steps: int
-    grad_samples: torch.Tensor | None
-    sample_batch: float
+    node_samples: dict[int, tuple[torch.Tensor, torch.Tensor]]  # node id -> (gradient samples, their batch sizes)
     node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
     learning_rate: float
 
@@ -61,13 +61,13 @@ def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
             for r in group:
                 acc += r.state[name].detach().to("cpu", torch.float32)
             mean[name] = acc / len(group)
-        samples = [r.grad_samples for r in group if r.grad_samples is not None]
         combined[trainer_id] = RoundResult(
             node_mean=mean, nodes=[r.node_id for r in group],
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
             tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
-            grad_samples=torch.cat(samples) if samples else None,
-            sample_batch=group[0].sample_batch, node_step_losses={r.node_id: r.step_losses for r in group},
+            node_samples={r.node_id: (r.grad_samples, r.sample_batches) for r in group
+                          if r.grad_samples is not None},
+            node_step_losses={r.node_id: r.step_losses for r in group},
             learning_rate=group[0].learning_rate)
     return combined
 
@@ -108,7 +108,10 @@ class ClusterController:
         self.switch_mode = build_switch_mode(cfg.switch_mode)
         self.merge_policy = build_merge_policy(cfg.merging_policy)
         self.batch_test = build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
-                                           max_batch=cfg.max_requested_batch)
+                                           max_batch=cfg.max_requested_batch, start=cfg.initial_batch_size,
+                                           rampup_tokens=cfg.rampup_tokens or cfg.max_tokens)
+        # micro_batches: each node's chunks form their own group, so drift between nodes is not noise
+        self.pool_within_nodes = cfg.variance_estimator == "micro_batches"
         self.nodes: list[Node] = []
         for device in cfg.devices:
             if cfg.max_batch_size:
@@ -132,13 +135,45 @@ class ClusterController:
             t: algo(t, initial, parameter_names, cfg, ShardSampler(len(data.train), cfg.training_seed * 1000 + t))
             for t in range(cfg.num_init_trainers)}
         self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
+        # (trainer, weights version) each node holds; None = the common initial weights
+        self.holds: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
+        self._warn_if_batches_cannot_grow()
         self.evaluator = Evaluator(replicate(model, cfg.devices[0]), data.val, cfg.eval_batch_size, cfg.devices[0])
         self.backend = RoundBackend(self.nodes, use_threads(cfg))
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
-        self.communications = 0  # outer synchronisations (one per trainer per round) and merges
+        self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
         self.tokens_total = 0
         self.last_outer_step = 0
-        self.bytes_communicated = 0
+        self.best_seen: float | None = None  # best metric of any model evaluated during the run
+
+    def _warn_if_batches_cannot_grow(self) -> None:
+        cfg = self.cfg
+        if cfg.sampling_method not in ADAPTIVE or cfg.variance_estimator != "nodes":
+            return
+        counts = node_counts({t: cfg.initial_batch_size for t in self.trainers}, len(self.nodes))
+        alone = [t for t, c in counts.items() if c == 1]
+        if alone:
+            log.warning("variance_estimator 'nodes': trainers %s start with one node, so they have one gradient "
+                        "sample and their batch cannot grow until a merge gives them a second node "
+                        "(variance_estimator: micro_batches works with one node)", " ".join(map(str, alone)))
+
+    def _seen(self, value: float) -> None:
+        if math.isfinite(value) and (self.best_seen is None or (value > self.best_seen) == self._higher_is_better):
+            self.best_seen = value
+
+    @property
+    def _higher_is_better(self) -> bool:
+        return self.evaluator.higher_is_better
+
+    def _gradient_samples(self, res: RoundResult) -> GradientSamples | None:
+        if not res.node_samples:
+            return None
+        grads, sizes, groups = [], [], []
+        for node_id, (g, b) in sorted(res.node_samples.items()):
+            grads.append(g)
+            sizes.append(b)
+            groups += [node_id if self.pool_within_nodes else 0] * len(b)
+        return GradientSamples(torch.cat(grads), torch.cat(sizes), torch.tensor(groups))
 
     # -------------------------------------------------------------------------------------------
     def _jobs(self) -> list[NodeJob]:
@@ -148,7 +183,11 @@ class ClusterController:
         jobs = []
         for t in sorted(assignment):
             trainer = self.trainers[t]
+            version = (t, trainer.weights_version)
             for node_id in assignment[t]:
+                if self.holds[node_id] not in (None, version):
+                    self.traffic.node_move(trainer.transfer_bytes())  # the node receives this trainer's state
+                self.holds[node_id] = version
                 node = self.nodes[node_id]
                 loader_batch, accumulation = self.switch_mode.decide(trainer.requested_batch, node.max_batch)
                 n = cfg.num_inner_steps * accumulation * loader_batch
@@ -174,21 +213,23 @@ class ClusterController:
              "micro_batch": plan[node][0], "accumulation_steps": plan[node][1], "learning_rate": res.learning_rate}
             for t, res in sorted(results.items()) for node, losses in sorted(res.node_step_losses.items())
             for i, loss in enumerate(losses)])
+        self.traffic.rounds += 1
+        self.tokens_total += sum(res.tokens for res in results.values())
         rows = []
         for t in sorted(results):
             trainer, res = self.trainers[t], results[t]
             requested_before = trainer.requested_batch
             trainer.outer_step(res.node_mean)
+            self.traffic.trainer_sync(len(res.nodes), self.param_bytes)
             evaluation = self.evaluator.evaluate(trainer.master)
-            decision = self.batch_test(res.grad_samples, res.sample_batch, trainer.requested_batch, len(res.nodes))
+            self._seen(evaluation.value)
+            decision = self.batch_test(self._gradient_samples(res), trainer.requested_batch, len(res.nodes),
+                                       tokens_seen=self.tokens_total)
             trainer.requested_batch = decision.requested_batch
             s = trainer.stats
             s.sync_number += 1
             s.optimizer_steps += res.optimizer_steps
             s.tokens_seen += res.tokens
-            self.tokens_total += res.tokens
-            self.communications += 1
-            self.bytes_communicated += 2 * len(res.nodes) * self.param_bytes  # pseudo-grads up, weights down
             loader_batch, accumulation = plan[res.nodes[0]]
             rows.append({
                 "outer_step": outer_step, "trainer_id": t, "nodes": " ".join(map(str, res.nodes)),
@@ -196,29 +237,37 @@ class ClusterController:
                 "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
                 "tokens_seen": s.tokens_seen, "global_tokens": self.tokens_total, "train_loss": res.train_loss,
                 **evaluation.metrics,
-                "next_requested_batch": decision.requested_batch, **decision.stats,
-                "communications": self.communications, "bytes_communicated": self.bytes_communicated})
+                "next_requested_batch": decision.requested_batch, **decision.stats})
         return rows
 
-    def merge(self, outer_step: int) -> dict | None:
+    def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
+        """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
         if not self.merge_policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
             return None
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         plan = self.merge_policy.plan(requested)
         survivor = self.trainers[plan.survivor]
         others = [self.trainers[m] for m in plan.members[1:]]
+        moved = sum(o.transfer_bytes() for o in others)  # the absorbed states travel to the survivor's first node
         survivor.absorb(others, list(plan.weights))
         for other in others:
             del self.trainers[other.trainer_id]
             survivor.stats.tokens_seen += other.stats.tokens_seen
             survivor.stats.optimizer_steps += other.stats.optimizer_steps
-        moved = (len(plan.members) - 1) * self.param_bytes  # the absorbed weights travel to the survivor
-        self.communications += 1
-        self.bytes_communicated += moved
+        self.traffic.merge(moved)
+        coordinator = min((n for n, t in self.owner.items() if t == plan.survivor), default=None)
+        if coordinator is not None:  # it computed the average, so it holds the merged weights
+            self.holds[coordinator] = (plan.survivor, survivor.weights_version)
+        after = self.evaluator.evaluate(survivor.master).value  # does averaging hurt? measured, not assumed
+        self._seen(after)
         return {"outer_step": outer_step, "survivor": plan.survivor,
                 "merged": " ".join(map(str, plan.members[1:])),
                 "weights": " ".join(f"{w:.4f}" for w in plan.weights),
-                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": moved}
+                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": moved,
+                "metric": self.evaluator.metric,
+                "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
+                "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
+                "metric_after": after}
 
     # -------------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -230,17 +279,16 @@ class ClusterController:
         bar = tqdm(range(1, cfg.num_outer_steps + 1), desc="outer steps", unit="step", dynamic_ncols=True)
         for outer_step in bar:
             rows = self.run_outer_step(outer_step)
-            wall = time.time() - start
-            for row in rows:
-                row["wall_time"] = wall
             self.logger.memory.record("after_outer_step", outer_step)
-            merge_event = self.merge(outer_step)
+            merge_event = self.merge(outer_step, {r["trainer_id"]: r[self.evaluator.metric] for r in rows})
             if merge_event:
                 self.logger.memory.record("after_merge", outer_step)
+            wall = time.time() - start
+            for row in rows:  # counters at the end of the outer step, its merge included
+                row.update(self.traffic.row(), wall_time=wall)
             self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
             log.info(self._step_line(outer_step, rows, merge_event))
-            values = [r[self.evaluator.metric] for r in rows]
-            best = max(values) if self.evaluator.higher_is_better else min(values)
+            best = self.best_seen if self.best_seen is not None else math.nan
             bar.set_postfix(trainers=len(rows), **{self.evaluator.metric[4:]: f"{best:.4g}"},
                             batch=max(r["next_requested_batch"] for r in rows))
             if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 and outer_step < cfg.num_outer_steps:
@@ -264,7 +312,8 @@ class ClusterController:
                          f"{metric[4:]} {r[metric]:.4g} -> req {r['next_requested_batch']}")
         if merge_event:
             parts.append(f"merged T{merge_event['merged']} into T{merge_event['survivor']} "
-                         f"(weights {merge_event['weights']})")
+                         f"(weights {merge_event['weights']}; {metric[4:]} {merge_event['metric_before']} -> "
+                         f"{merge_event['metric_after']:.4g})")
         return " | ".join(parts)
 
     def _finish(self, initial_metric: float, wall: float) -> dict:
@@ -278,8 +327,7 @@ class ClusterController:
             "metric": self.evaluator.metric, "initial_metric": initial_metric, "final_trainer": final_id,
             "final_metric": scores[final_id], "surviving_trainers": scores,
             "outer_steps": self.last_outer_step, "wall_time_s": wall,
-            "tokens_seen": self.tokens_total,
-            "communications": self.communications, "bytes_communicated": self.bytes_communicated,
+            "best_metric_seen": self.best_seen, "tokens_seen": self.tokens_total, **self.traffic.row(),
             "final_requested_batch": final.requested_batch,
             "max_batch_per_node": {n.node_id: n.max_batch for n in self.nodes},
             "accumulation_used": self.logger.accumulation_used, "merges": self.logger.merges,

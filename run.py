@@ -80,9 +80,9 @@ def train(cfg: Config) -> tuple[Path, dict]:
         logger.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log.info("final model: trainer %d, %s %.4g (start %.4g); %d merges, %d batch increases, "
-             "accumulation used: %s; %d communications, %.1f MB; %.0f s", summary["final_trainer"], summary["metric"],
-             summary["final_metric"], summary["initial_metric"], summary["merges"],
-             summary["batch_increases"], summary["accumulation_used"], summary["communications"],
+             "accumulation used: %s; %d rounds, %d syncs, %.1f MB communicated; %.0f s", summary["final_trainer"],
+             summary["metric"], summary["final_metric"], summary["initial_metric"], summary["merges"],
+             summary["batch_increases"], summary["accumulation_used"], summary["rounds"], summary["syncs"],
              summary["bytes_communicated"] / 1e6, summary["wall_time_s"])
     log.info("outputs in %s", run_dir)
     return run_dir, summary

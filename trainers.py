@@ -44,7 +44,7 @@ class NodeResult:
     step_losses: list[float]  # mean loss of each optimizer step
     tokens: int
     grad_samples: torch.Tensor | None = None  # [k, P] fp32 on CPU
-    sample_batch: float = 0.0  # sequences behind each gradient sample
+    sample_batches: torch.Tensor | None = None  # [k] sequences behind each gradient sample
     learning_rate: float = 0.0
 
 
@@ -72,11 +72,13 @@ class Node:
     def _flat_grad(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
 
-    def _last_step_with_samples(self, idx: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _last_step_with_samples(self, idx: torch.Tensor,
+                                chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last step's batch in `chunks` pieces, recording each piece's gradient at the same point.
 
         Each piece's loss is weighted by its share of the batch, so the accumulated gradient is the
-        same as in a normal step; piece i's own gradient is (acc_i - acc_{i-1}) / share_i.
+        same as in a normal step; piece i's own gradient is (acc_i - acc_{i-1}) / share_i. Pieces can
+        differ in size by one sequence; each sample carries its own size.
         """
         flat = idx.reshape(-1)
         pieces = torch.tensor_split(flat, min(max(chunks, idx.shape[0]), len(flat)))
@@ -88,7 +90,8 @@ class Node:
             current = self._flat_grad()
             samples.append(((current - previous) / share).float().cpu())
             previous = current
-        return torch.stack(losses).sum(), torch.stack(samples), len(flat) / len(pieces)
+        sizes = torch.tensor([len(piece) for piece in pieces], dtype=torch.float64)
+        return torch.stack(losses).sum(), torch.stack(samples), sizes
 
     def run(self, job: NodeJob) -> NodeResult:
         if job.reset_optimizer or self.optimizer is None:
@@ -96,16 +99,17 @@ class Node:
         load_float_state(self.model, job.master)
         self.model.train()
         steps, accumulation, _ = job.sample_indices.shape
-        losses, grad_samples, sample_batch = [], None, 0.0
+        losses, grad_samples, sample_batches = [], None, None
         bar = tqdm(total=steps, desc=f"node {self.node_id}", leave=False, position=1) if self.show_progress else None
         for step in range(steps):
             idx = job.sample_indices[step]
             if step == steps - 1 and job.grad_chunks >= 2:
-                loss, grad_samples, sample_batch = self._last_step_with_samples(idx, job.grad_chunks)
+                loss, grad_samples, sample_batches = self._last_step_with_samples(idx, job.grad_chunks)
             else:
                 loss = sum(self._forward_backward(micro, 1.0 / accumulation) for micro in idx) / accumulation
                 if step == steps - 1 and job.grad_chunks == 1:
-                    grad_samples, sample_batch = self._flat_grad().float().cpu()[None], float(idx.numel())
+                    grad_samples = self._flat_grad().float().cpu()[None]
+                    sample_batches = torch.tensor([float(idx.numel())], dtype=torch.float64)
             losses.append(loss)
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -118,7 +122,7 @@ class Node:
         tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
         step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
         return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,
-                          sample_batch, self.optimizer.param_groups[0]["lr"])
+                          sample_batches, self.optimizer.param_groups[0]["lr"])
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Trainer:
         self.sampler = sampler
         self.stats = TrainerStats()
         self.cfg = cfg
+        self.weights_version = 0  # bumped by each merge: a node holding an older version must receive the weights
 
     @staticmethod
     def inner_optimizer_factory(cfg: Config):
@@ -154,10 +159,16 @@ class Trainer:
     def absorb(self, others: list[Trainer], weights: list[float]) -> None:
         """Become the batch-weighted average of self and `others` (weights[0] is self's)."""
         self.master = weighted_average([self.master] + [o.master for o in others], weights)
+        self.weights_version += 1
+
+    def transfer_bytes(self) -> int:
+        """Bytes that move when this trainer's state travels to another node: fp32 weights (+ outer state)."""
+        return sum(v.numel() * 4 for v in self.master.values())
 
     def state_dict(self) -> dict:
         return {"trainer_id": self.trainer_id, "algorithm": self.algorithm, "requested_batch": self.requested_batch,
-                "sampler": self.sampler.state_dict(), "stats": dict(vars(self.stats))}
+                "sampler": self.sampler.state_dict(), "stats": dict(vars(self.stats)),
+                "weights_version": self.weights_version}
 
 
 class LocalSGDTrainer(Trainer):
@@ -232,6 +243,11 @@ class DiLoCoTrainer(Trainer):
             if any(b is not None for b in bufs):
                 avg = sum(w * (b if b is not None else torch.zeros_like(param)) for w, b in zip(weights, bufs))
                 self.outer_optimizer.state[param]["momentum_buffer"] = avg
+
+    def transfer_bytes(self) -> int:
+        buffers = [s["momentum_buffer"] for s in self.outer_optimizer.state.values()
+                   if s.get("momentum_buffer") is not None]
+        return super().transfer_bytes() + sum(b.numel() * 4 for b in buffers)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "outer_optimizer": self.outer_optimizer.state_dict()}

@@ -1,8 +1,11 @@
 """Node assignment: how many nodes each trainer gets, and which ones.
 
 Counts are proportional to each trainer's requested batch (not to nodes x batch, which feeds on
-itself), every live trainer keeps at least one node, and the rounding uses largest remainders.
-Nodes stay with their trainer where possible, so inner optimizer state is kept.
+itself), with a floor of one node per live trainer, rounded by largest remainders (Hamilton's method):
+a trainer whose share is below one node gets exactly one, and the other trainers share the rest in
+proportion; each gets the floor of its share, and the nodes left go to the largest remainders
+(ties: the larger request, then the smaller id). Nodes stay with their trainer where possible, so
+inner optimizer state is kept.
 """
 
 from __future__ import annotations
@@ -11,17 +14,23 @@ import math
 
 
 def node_counts(requested: dict[int, int], total_nodes: int) -> dict[int, int]:
-    """trainer id -> number of nodes; sums to total_nodes, each >= 1."""
+    """trainer id -> number of nodes; sums to total_nodes, each >= 1, otherwise proportional to requested."""
     trainers = sorted(requested)
     if len(trainers) > total_nodes:
         raise ValueError(f"{len(trainers)} trainers cannot each get a node out of {total_nodes}")
-    spare = total_nodes - len(trainers)  # one node each is guaranteed; the rest is shared
-    total = sum(requested.values())
-    shares = {t: spare * requested[t] / total for t in trainers}
-    counts = {t: 1 + math.floor(shares[t]) for t in trainers}
+    floored: set[int] = set()  # trainers held at the one-node floor
+    while True:
+        free = [t for t in trainers if t not in floored]
+        nodes_left = total_nodes - len(floored)
+        total = sum(requested[t] for t in free)
+        quotas = {t: nodes_left * requested[t] / total for t in free} if free else {}
+        below = {t for t, q in quotas.items() if q < 1}
+        if not below:
+            break
+        floored |= below
+    counts = {t: 1 for t in floored} | {t: math.floor(q) for t, q in quotas.items()}
     left = total_nodes - sum(counts.values())
-    # Largest remainder first; ties go to the larger request, then the smaller id.
-    for t in sorted(trainers, key=lambda t: (-(shares[t] - math.floor(shares[t])), -requested[t], t))[:left]:
+    for t in sorted(quotas, key=lambda t: (-(quotas[t] - math.floor(quotas[t])), -requested[t], t))[:left]:
         counts[t] += 1
     return counts
 

@@ -19,6 +19,13 @@ class MergePlan:
     members: tuple[int, ...]  # all merged trainer ids, survivor included
     weights: tuple[float, ...]  # one per member, summing to 1
 
+    def __post_init__(self) -> None:
+        # A merge of a trainer with itself would delete it without any averaging.
+        if len(self.members) < 2 or len(set(self.members)) != len(self.members) or self.members[0] != self.survivor:
+            raise ValueError(f"a merge needs distinct trainers with the survivor first, got {self.members}")
+        if len(self.weights) != len(self.members):
+            raise ValueError("one weight per merged trainer")
+
 
 def batch_weights(requested_batches: list[int]) -> list[float]:
     total = sum(requested_batches)
@@ -66,14 +73,17 @@ class WorstWithWorst(MergePolicy):
 
 
 class BestWithWorst(MergePolicy):
-    """The trainer with the largest requested batch absorbs the one with the smallest."""
+    """The trainer with the largest requested batch absorbs the one with the smallest (two distinct trainers).
+
+    worst: smallest request, ties to the smaller id; best: largest request among the others, ties to the
+    smaller id. With all requests equal (batch 1 everywhere at the paper's start) T1 absorbs T0.
+    """
 
     name = "best_with_worst"
 
     def plan(self, requested):
-        order = sorted(requested, key=lambda t: (requested[t], t))
-        worst = order[0]
-        best = max(requested, key=lambda t: (requested[t], -t))
+        worst = min(requested, key=lambda t: (requested[t], t))
+        best = min((t for t in requested if t != worst), key=lambda t: (-requested[t], t))
         members = (best, worst)
         return MergePlan(best, members, tuple(batch_weights([requested[m] for m in members])))
 

@@ -4,16 +4,30 @@ import pytest
 import torch
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import AugmentedInnerProductTest, ConstantBatch, NormTest, build_batch_test
-from algorithms.policies import BestWithWorst, WorstWithWorst, batch_weights, weighted_average
+from algorithms.calc_batch import (
+    AugmentedInnerProductTest,
+    ConstantBatch,
+    GradientSamples,
+    LinearRampup,
+    NormTest,
+    build_batch_test,
+)
+from algorithms.policies import BestWithWorst, MergePlan, WorstWithWorst, batch_weights, weighted_average
 from algorithms.switch_mode import OnlyDataLoader, OnlyGradientAccumulation, ThresholdSwitchMode
+from algorithms.traffic import Traffic, ring_allreduce_bytes
 
 
 # --- batch tests ------------------------------------------------------------------------------
+def S(grads, batch=1.0, groups=None) -> GradientSamples:  # noqa: N802 - reads like the maths
+    """Gradient samples: rows of `grads`, each over `batch` examples (a number or one per row), in `groups`."""
+    g = torch.as_tensor(grads, dtype=torch.float64)
+    b = torch.as_tensor(batch, dtype=torch.float64).expand(g.shape[0]).clone()
+    return GradientSamples(g, b, torch.as_tensor(groups if groups is not None else [0] * g.shape[0]))
+
+
 def test_norm_test_hand_values():
-    grads = torch.tensor([[0.0, 0.0], [4.0, 0.0]])
     # mean (2,0), ||mean||^2 = 4, S = 8, per-example variance = 1 * 8 / 1 = 8, T = 8 / (1 * 0.25 * 4) = 8
-    d = NormTest(eta=0.5)(grads, sample_batch=1, current=1, num_nodes=1)
+    d = NormTest(eta=0.5)(S([[0.0, 0.0], [4.0, 0.0]]), current=1, num_nodes=1)
     assert d.requested_batch == 8
     assert d.stats["variance"] == pytest.approx(8.0)
     assert d.stats["sum_sq_diffs"] == pytest.approx(8.0)
@@ -21,29 +35,61 @@ def test_norm_test_hand_values():
 
 
 def test_norm_test_scales_with_sample_batch_and_nodes():
-    grads = torch.tensor([[0.0, 0.0], [4.0, 0.0]])
-    # sample_batch 2 doubles the variance, 2 nodes halve the need: T stays 8; eta=1 divides by 4 -> 2
-    assert NormTest(eta=0.5)(grads, 2, 1, 2).requested_batch == 8
-    assert NormTest(eta=1.0)(grads, 2, 1, 2).requested_batch == 2
+    grads = [[0.0, 0.0], [4.0, 0.0]]
+    # sample batch 2 doubles the variance, 2 nodes halve the need: T stays 8; eta=1 divides by 4 -> 2
+    assert NormTest(eta=0.5)(S(grads, 2), 1, 2).requested_batch == 8
+    assert NormTest(eta=1.0)(S(grads, 2), 1, 2).requested_batch == 2
+
+
+def test_norm_test_weights_each_sample_by_its_own_batch():
+    # samples over 1 and 2 examples: the gradient is the example-weighted mean (0*1 + 3*2) / 3 = (2, 0),
+    # deviations (-2, 0), (1, 0): variance = (1 * 4 + 2 * 1) / (2 - 1) = 6; T = 6 / (0.25 * 4) = 6.
+    # (Node 0's batch for both rows and the plain mean would give 8.)
+    d = NormTest(eta=0.5)(S([[0.0, 0.0], [3.0, 0.0]], [1.0, 2.0]), 1, 1)
+    assert d.stats["variance"] == pytest.approx(6.0)
+    assert d.stats["grad_sq_norm"] == pytest.approx(4.0)
+    assert d.requested_batch == 6
+
+
+def test_unequal_batch_variance_is_unbiased():
+    # rows g_i = mu + noise of variance 1/b_i per coordinate: sigma^2 (trace) = P per example
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([1.0, 2.0, 8.0, 8.0, 3.0] * 4)
+    p, estimates = 2000, []
+    for _ in range(20):
+        g = 0.1 + torch.randn(len(sizes), p, generator=gen, dtype=torch.float64) / sizes.sqrt()[:, None]
+        estimates.append(NormTest(1.0)(S(g, sizes), 1, 1).stats["variance"] / p)
+    assert sum(estimates) / len(estimates) == pytest.approx(1.0, abs=0.02)
+
+
+def test_micro_batch_variance_is_pooled_within_nodes():
+    # node 0's chunks (1,0), (3,0); node 1's (11,0), (13,0): within-node deviations +-1, so
+    # variance = 4 / (4 samples - 2 groups) = 2, whatever the drift between the nodes; g = (7, 0).
+    grads = [[1.0, 0.0], [3.0, 0.0], [11.0, 0.0], [13.0, 0.0]]
+    pooled = NormTest(eta=1.0)(S(grads, 1, [0, 0, 1, 1]), 1, 1)
+    assert pooled.stats["variance"] == pytest.approx(2.0)
+    assert pooled.stats["T_k"] == pytest.approx(2.0 / 49.0)
+    drift = NormTest(eta=1.0)(S(grads, 1, [0, 0, 0, 0]), 1, 1)  # one group: the paper's nodes estimator
+    assert drift.stats["variance"] == pytest.approx(104.0 / 3.0)
 
 
 def test_norm_test_never_shrinks_and_respects_cap():
-    grads = torch.tensor([[0.0, 0.0], [4.0, 0.0]])
-    assert NormTest(eta=0.5)(grads, 1, current=20, num_nodes=1).requested_batch == 20
-    assert NormTest(eta=0.5, max_batch=5)(grads, 1, current=1, num_nodes=1).requested_batch == 5
+    grads = S([[0.0, 0.0], [4.0, 0.0]])
+    assert NormTest(eta=0.5)(grads, current=20, num_nodes=1).requested_batch == 20
+    assert NormTest(eta=0.5, max_batch=5)(grads, current=1, num_nodes=1).requested_batch == 5
 
 
-def test_norm_test_needs_two_samples_and_a_direction():
-    assert NormTest(0.5)(torch.ones(1, 3), 1, 3, 1).requested_batch == 3
-    assert NormTest(0.5)(None, 1, 3, 1).requested_batch == 3
-    assert NormTest(0.5)(torch.tensor([[1.0], [-1.0]]), 1, 3, 1).requested_batch == 3  # mean is 0
+def test_norm_test_needs_two_samples_per_group_and_a_direction():
+    assert NormTest(0.5)(S(torch.ones(1, 3)), 3, 1).requested_batch == 3
+    assert NormTest(0.5)(None, 3, 1).requested_batch == 3
+    assert NormTest(0.5)(S([[1.0], [-1.0]]), 3, 1).requested_batch == 3  # mean is 0
+    assert NormTest(0.5)(S([[0.0], [4.0]], 1, [0, 1]), 3, 1).stats == {}  # one sample per group: no variance
 
 
 def test_augmented_inner_product_orthogonality_term_uses_nu():
-    grads = torch.tensor([[2.0, 1.0], [2.0, -1.0]])
     # <g_i, g> = 4, 4 -> inner variance 0; residuals (0, 1), (0, -1): sum 2 / (n-1) = 2
     # T_ortho = 2 / (1 * 0.5^2 * 4) = 2
-    d = AugmentedInnerProductTest(vartheta=0.01, nu=0.5)(grads, 1, 1, 1)
+    d = AugmentedInnerProductTest(vartheta=0.01, nu=0.5)(S([[2.0, 1.0], [2.0, -1.0]]), 1, 1)
     assert d.stats["inner_variance"] == pytest.approx(0.0)
     assert d.stats["ortho_variance"] == pytest.approx(2.0)
     assert d.stats["T_ortho"] == pytest.approx(2.0)
@@ -51,19 +97,40 @@ def test_augmented_inner_product_orthogonality_term_uses_nu():
 
 
 def test_augmented_inner_product_inner_term_uses_vartheta():
-    grads = torch.tensor([[1.0, 0.0], [3.0, 0.0]])
+    grads = S([[1.0, 0.0], [3.0, 0.0]])
     # <g_i, g> = 2, 6 -> variance 8; T_ip = 8 / (vartheta^2 * ||g||^4 = 0.25 * 16) = 2; residuals are 0
-    d = AugmentedInnerProductTest(vartheta=0.5, nu=0.3)(grads, 1, 1, 1)
+    d = AugmentedInnerProductTest(vartheta=0.5, nu=0.3)(grads, 1, 1)
     assert d.stats["T_ip"] == pytest.approx(2.0)
     assert d.stats["T_ortho"] == pytest.approx(0.0)
     assert d.requested_batch == 2
-    assert AugmentedInnerProductTest(vartheta=0.25, nu=0.3)(grads, 1, 1, 1).requested_batch == 8
+    assert AugmentedInnerProductTest(vartheta=0.25, nu=0.3)(grads, 1, 1).requested_batch == 8
+
+
+def test_augmented_inner_product_with_unequal_batches():
+    # b = (1, 3): g = ((2*1 + 2*3)/4, (1 - 3)/4) = (2, -0.5), ||g||^2 = 4.25; d = (0, 1.5), (0, -0.5)
+    # <d_i, g> = -0.75, 0.25 -> inner variance 1 * 0.5625 + 3 * 0.0625 = 0.75
+    # sum b ||d||^2 = 2.25 + 0.75 = 3 splits into 0.75 / 4.25 along g and the rest orthogonal to it
+    d = AugmentedInnerProductTest(vartheta=1.0, nu=1.0)(S([[2.0, 1.0], [2.0, -1.0]], [1.0, 3.0]), 1, 1)
+    assert d.stats["inner_variance"] == pytest.approx(0.75)
+    assert d.stats["ortho_variance"] == pytest.approx(3.0 - 0.75 / 4.25)
+    assert d.stats["T_ip"] == pytest.approx(0.75 / 4.25**2)
 
 
 def test_constant_keeps_batch_but_reports_statistics():
-    d = ConstantBatch(eta=0.5)(torch.tensor([[0.0, 0.0], [4.0, 0.0]]), 1, 3, 1)
+    d = ConstantBatch(eta=0.5)(S([[0.0, 0.0], [4.0, 0.0]]), 3, 1)
     assert d.requested_batch == 3
     assert d.stats["T_k"] == pytest.approx(8.0)
+
+
+def test_linear_rampup_grows_with_tokens_to_the_cap_and_never_shrinks():
+    ramp = LinearRampup(eta=0.5, start=2, rampup_tokens=1000, max_batch=16)
+    # 2 + 14 * progress, floored: 0 -> 2, 250 -> 5.5 -> 5, 500 -> 9, 1000 and beyond -> 16
+    assert [ramp(None, 2, 1, tokens).requested_batch for tokens in (0, 250, 500, 999, 1000, 5000)] == \
+        [2, 5, 9, 15, 16, 16]
+    assert ramp(None, 12, 1, 250).requested_batch == 12
+    assert ramp(S([[0.0, 0.0], [4.0, 0.0]]), 2, 1, 0).stats["T_k"] == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="rampup_tokens"):
+        LinearRampup(0.5, 2, 0, 16)
 
 
 def test_registry_rejects_unknown_names():
@@ -121,6 +188,21 @@ def test_best_with_worst():
     assert plan.members == (1, 0) and plan.weights == pytest.approx((8 / 11, 3 / 11))
 
 
+def test_best_with_worst_merges_two_distinct_trainers_when_requests_tie():
+    # the paper's start: batch 1 everywhere. worst = T0 (smaller id), best = T1 (the smallest other id)
+    plan = BestWithWorst().plan({0: 1, 1: 1, 2: 1, 3: 1})
+    assert plan.survivor == 1 and plan.members == (1, 0) and plan.weights == pytest.approx((0.5, 0.5))
+    plan = BestWithWorst().plan({2: 4, 5: 4})
+    assert plan.members == (5, 2)
+
+
+def test_a_merge_plan_never_holds_one_trainer_twice():
+    with pytest.raises(ValueError, match="distinct"):
+        MergePlan(0, (0, 0), (0.5, 0.5))
+    with pytest.raises(ValueError, match="distinct"):
+        MergePlan(0, (0,), (1.0,))
+
+
 def test_should_merge_frequency():
     p = WorstWithWorst()
     assert p.should_merge(3, 3, 2) and not p.should_merge(2, 3, 2)
@@ -136,6 +218,17 @@ def test_node_counts_proportional_with_minimum_one():
     assert sum(node_counts({0: 3, 1: 7, 2: 11}, 8).values()) == 8
 
 
+def test_node_counts_are_proportional_not_one_each_plus_spare_share():
+    # 32 nodes shared 2:30 is exactly 2 and 30 ("one each, spare by share" gave 3 and 29)
+    assert node_counts({0: 2, 1: 30}, 32) == {0: 2, 1: 30}
+    # quotas 0.31 (x3) and 31.07: the small ones are held at one node, the large one takes the other 29
+    assert node_counts({0: 1, 1: 1, 2: 1, 3: 100}, 32) == {0: 1, 1: 1, 2: 1, 3: 29}
+    # 5:3 of 4 nodes = 2.5 / 1.5: floors 2 + 1, the tie of remainders goes to the larger request
+    assert node_counts({0: 5, 1: 3}, 4) == {0: 3, 1: 1}
+    # 1:2:5 of 16 = 2, 4, 10 exactly
+    assert node_counts({0: 1, 1: 2, 2: 5}, 16) == {0: 2, 1: 4, 2: 10}
+
+
 def test_node_counts_rejects_too_many_trainers():
     with pytest.raises(ValueError):
         node_counts({0: 1, 1: 1, 2: 1}, 2)
@@ -147,3 +240,20 @@ def test_assign_nodes_keeps_nodes_with_their_trainer():
     assert out == {0: [0], 1: [1, 2], 3: [3]}
     out = assign_nodes({0: 3, 1: 1}, {0: 0, 1: 1, 2: 1, 3: None})
     assert out == {0: [0, 2, 3], 1: [1]}
+
+
+# --- communication accounting -----------------------------------------------------------------
+def test_ring_allreduce_bytes_by_hand():
+    assert ring_allreduce_bytes(1, 1000) == 0  # one node sends nothing
+    assert ring_allreduce_bytes(2, 1000) == 2000  # each of 2 nodes sends 2 * 1/2 * P
+    assert ring_allreduce_bytes(4, 1000) == 6000  # each of 4 nodes sends 2 * 3/4 * P
+
+
+def test_traffic_counts_only_cross_node_syncs():
+    traffic = Traffic()
+    traffic.trainer_sync(1, 1000)  # a one-node trainer: no sync, no bytes
+    traffic.trainer_sync(3, 1000)
+    traffic.merge(2000)
+    traffic.node_move(1000)
+    assert traffic.row() == {"rounds": 0, "syncs": 2, "allreduce_bytes": 4000, "merge_bytes": 2000,
+                             "node_move_bytes": 1000, "node_moves": 1, "bytes_communicated": 7000}

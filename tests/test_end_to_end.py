@@ -40,13 +40,35 @@ def test_tiny_run_end_to_end(tiny_config):
     assert summary["accumulation_used"]
     assert any(int(r["accumulation_steps"]) > 1 and int(r["loader_batch"]) <= 2 for r in rows[2:])
     assert summary["final_metric"] < summary["initial_metric"]
-    assert int(rows[-1]["communications"]) == 2 + 2 + 1 + 1 + 1  # 5 outer syncs + 1 merge, counted before it
+    # traffic: P = fp32 weights. Steps 1-2: two one-node trainers send nothing; the merge at step 2 moves
+    # T1's weights (P); steps 3-4: one trainer on 2 nodes, a ring all-reduce of 2 (2-1) P each; at step 3
+    # the node that served T1 receives the merged weights (P). Syncs: 1 merge + 2 all-reduces.
+    final_dir = run_dir / "model_weights" / "final"
+    p = sum(v.numel() * 4 for v in load_trainer_weights(final_dir / "trainer_0.safetensors").values())
+    by_step = {r["outer_step"]: r for r in rows}
+    assert [int(by_step[s]["syncs"]) for s in "01234"] == [0, 0, 1, 2, 3]
+    assert [int(by_step[s]["rounds"]) for s in "01234"] == [0, 1, 2, 3, 4]
+    last = rows[-1]
+    assert (int(last["allreduce_bytes"]), int(last["merge_bytes"]), int(last["node_move_bytes"])) == (4 * p, p, p)
+    assert int(last["bytes_communicated"]) == summary["bytes_communicated"] == 6 * p
+    assert summary["syncs"] == 3 and summary["rounds"] == 4 and summary["node_moves"] == 1
+    # the merged model is evaluated right after the merge: the step-2 checkpoint holds exactly it
+    with (run_dir / "model_training_report" / "merge_events.csv").open() as f:
+        (merge,) = list(csv.DictReader(f))
+    merged = LlamaForCausalLM.from_pretrained(final_dir / "final_model")
+    merged.load_state_dict(load_trainer_weights(run_dir / "model_weights" / "outer_step_0002" /
+                                                f"trainer_{merge['survivor']}.safetensors"), strict=False)
+    data = load_corpus(cfg)
+    assert Evaluator(merged, data.val, 8, "cpu").evaluate().perplexity == pytest.approx(float(merge["metric_after"]),
+                                                                                    rel=1e-5)
+    before = {r["trainer_id"]: float(r["val_perplexity"]) for r in rows if r["outer_step"] == "2"}
+    assert merge["metric_before"].split() == [f"{before[merge['survivor']]:.6g}", f"{before[merge['merged']]:.6g}"]
+    assert merge["metric"] == "val_perplexity" and float(merge["bytes"]) == p
+    assert summary["best_metric_seen"] <= min(float(r["val_perplexity"]) for r in rows[2:])
     # the final model opens with plain transformers and gives the logged perplexity
     model = LlamaForCausalLM.from_pretrained(run_dir / "model_weights" / "final" / "final_model")
-    data = load_corpus(cfg)
     ppl = Evaluator(model, data.val, 8, "cpu").evaluate().perplexity
     assert ppl == pytest.approx(summary["final_metric"], rel=1e-5)
-    final_dir = run_dir / "model_weights" / "final"
     state = load_trainer_weights(final_dir / f"trainer_{summary['final_trainer']}.safetensors")
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items() if k in state)
 

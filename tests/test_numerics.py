@@ -54,11 +54,22 @@ def test_accumulated_gradient_equals_full_batch_gradient():
 def test_micro_batch_gradient_samples_average_to_step_gradient():
     grad, result = run_one_step(torch.arange(6).view(1, 1, 6), chunks=3)
     flat = torch.cat([grad[n].reshape(-1) for n, _ in tiny_model().named_parameters()])
-    assert result.grad_samples.shape[0] == 3 and result.sample_batch == 2
+    assert result.grad_samples.shape[0] == 3 and result.sample_batches.tolist() == [2.0, 2.0, 2.0]
     torch.testing.assert_close(result.grad_samples.double().mean(0), flat, rtol=1e-4, atol=1e-6)
     full, _ = run_one_step(torch.arange(6).view(1, 1, 6))
     for name in full:  # recording samples does not change the update
         torch.testing.assert_close(grad[name], full[name], rtol=1e-9, atol=1e-12)
+
+
+def test_unequal_micro_batch_samples_carry_their_own_sizes():
+    # 5 sequences in 3 chunks: 2, 2, 1; the size-weighted mean of the samples is the step's gradient
+    grad, result = run_one_step(torch.arange(5).view(1, 1, 5), chunks=3)
+    flat = torch.cat([grad[n].reshape(-1) for n, _ in tiny_model().named_parameters()])
+    sizes = result.sample_batches
+    assert sizes.tolist() == [2.0, 2.0, 1.0]
+    weighted = (sizes[:, None] * result.grad_samples.double()).sum(0) / sizes.sum()
+    torch.testing.assert_close(weighted, flat, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(result.grad_samples.double().mean(0), flat, rtol=1e-3, atol=1e-5)
 
 
 def test_num_inner_steps_counts_optimizer_steps():

@@ -61,7 +61,8 @@ def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
     for expected in [("val_perplexity", "trainer_0"), ("val_perplexity", "global"), ("train_loss", "trainer_1"),
                      ("requested_batch", "trainer_0"), ("loader_batch", "trainer_0"),
                      ("accumulation_steps", "trainer_0"), ("num_nodes", "trainer_0"), ("trainers_alive", "global"),
-                     ("tokens_seen", "global"), ("communications", "global"), ("bytes_communicated", "global"),
+                     ("tokens_seen", "global"), ("syncs", "global"), ("rounds", "global"),
+                     ("bytes_communicated", "global"),
                      ("process_rss_mib", "memory_before_round"), ("process_rss_mib", "memory_round_peak")]:
         assert expected in pairs, expected
     assert sorted({i for m, v, i in scalars if (m, v) == ("val_perplexity", "global")}) == [0, 1, 2, 3]
@@ -125,7 +126,7 @@ def test_memory_step_loss_and_plots_of_a_run(tiny_config):
     assert {r["learning_rate"] for r in steps} == {"0.003"}
     assert {r["micro_batch"] for r in steps if r["outer_step"] == "1"} == {"2"}  # initial_batch_size
     report = run_dir / "model_training_report"
-    for name in ("val_perplexity_vs_tokens.png", "val_perplexity_vs_communications.png", "node_assignment.png",
+    for name in ("val_perplexity_vs_tokens.png", "val_perplexity_vs_syncs.png", "node_assignment.png",
                  "step_loss.png", "trainers_alive.png"):
         assert (report / name).stat().st_size > 5000, name
     assert (run_dir / "memory_report" / "memory_usage.png").is_file()
@@ -149,7 +150,7 @@ def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path)
             jsonl.log({"thread": float(t), "i": float(i)}, i)
             logger.log_step([{"outer_step": i, "trainer_id": t, "requested_batch": 1, "next_requested_batch": 1,
                               "accumulation_steps": 1, "train_loss": 1.0, "val_perplexity": 2.0, "global_tokens": 0,
-                              "communications": 0, "bytes_communicated": 0}], None, 1)
+                              "syncs": 0, "bytes_communicated": 0}], None, 1)
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     for th in pool:

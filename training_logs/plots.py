@@ -1,6 +1,6 @@
 """PNG plots of a run, drawn from its CSV files (so they can be redrawn at any time).
 
-training_log.csv -> validation metric per trainer against outer step, tokens and communications (the
+training_log.csv -> validation metric per trainer against outer step, tokens and syncs (the
 best trainer of each step drawn bold: the surviving model's path), requested batch per trainer,
 trainers alive, node assignment over time. step_loss_log.csv -> loss per trainer with merges marked.
 """
@@ -55,8 +55,8 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
             best[step] = r
     for x_key, x_label, name in (("outer_step", "outer step", f"{metric}_per_trainer.png"),
                                  ("global_tokens", "tokens seen (all trainers)", f"{metric}_vs_tokens.png"),
-                                 ("communications", "communications (outer syncs + merges)",
-                                  f"{metric}_vs_communications.png")):
+                                 ("syncs", "syncs (cross-node all-reduces + merges)",
+                                  f"{metric}_vs_syncs.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for t, rs in per_trainer.items():
             ax.plot([float(r[x_key] or 0) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3, lw=1,

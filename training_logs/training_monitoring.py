@@ -17,9 +17,12 @@ from training_logs.trackers import Tracker
 COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", "loader_batch",
            "accumulation_steps", "optimizer_steps", "tokens_seen", "global_tokens", "train_loss", "val_perplexity",
            "val_accuracy", "val_loss", "next_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
-           "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "communications", "bytes_communicated", "wall_time",
-           "trainers_alive"]
-MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes"]
+           "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "rounds", "syncs", "bytes_communicated",
+           "allreduce_bytes", "merge_bytes", "node_move_bytes", "node_moves", "wall_time", "trainers_alive"]
+# metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
+MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes", "metric",
+                 "metric_before", "metric_weighted_before", "metric_after"]
+TRAFFIC = ("rounds", "syncs", "bytes_communicated", "allreduce_bytes", "merge_bytes", "node_move_bytes")
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
            "accumulation_steps", "num_nodes", "tokens_seen")
 
@@ -49,7 +52,7 @@ class TrainingLogger:
 
     def log_initial(self, metrics: dict[str, float], trainer_ids: list[int]) -> None:
         rows = [{"outer_step": 0, "trainer_id": t, **metrics, "tokens_seen": 0, "global_tokens": 0,
-                 "optimizer_steps": 0, "communications": 0, "bytes_communicated": 0, "wall_time": 0.0,
+                 "optimizer_steps": 0, **{k: 0 for k in TRAFFIC}, "node_moves": 0, "wall_time": 0.0,
                  "trainers_alive": len(trainer_ids)} for t in trainer_ids]
         with self._lock:
             self._append(self.csv_path, COLUMNS, rows)
@@ -74,13 +77,21 @@ class TrainingLogger:
         step = rows[0]["outer_step"]
         scalars = {f"trainer_{r['trainer_id']}/{k}": float(r[k]) for r in rows for k in TRACKED if k in r}
         pick = max if self.higher_is_better else min
+        alive = {r["trainer_id"]: r[self.metric] for r in rows}  # the models that exist after this step
+        if merge_event:
+            for merged in merge_event["merged"].split():
+                alive.pop(int(merged), None)
+            alive[merge_event["survivor"]] = merge_event["metric_after"]
+            members = [float(v) for v in merge_event["metric_before"].split()]
+            scalars.update({f"merge/{self.metric}_after": float(merge_event["metric_after"]),
+                            f"merge/{self.metric}_best_member": pick(members),
+                            f"merge/{self.metric}_weighted_members": float(merge_event["metric_weighted_before"])})
         scalars.update({
-            f"global/{self.metric}": pick(r[self.metric] for r in rows),
+            f"global/{self.metric}": pick(alive.values()),
             "global/train_loss": sum(r["train_loss"] for r in rows) / len(rows),
             "global/trainers_alive": float(trainers_alive),
             "global/tokens_seen": float(rows[-1]["global_tokens"]),
-            "global/communications": float(rows[-1]["communications"] + (1 if merge_event else 0)),
-            "global/bytes_communicated": float(rows[-1]["bytes_communicated"] + (merge_event or {}).get("bytes", 0)),
+            **{f"global/{k}": float(rows[-1].get(k, 0)) for k in TRAFFIC},
             "global/merges": float(self.merges),
         })
         self.tracker.log(scalars, step)

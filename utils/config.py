@@ -120,15 +120,22 @@ class Config:
     # --- adaptive batching ---
     initial_batch_size: int = _f(2, "Requested batch per node at the start.", min=1)
     max_requested_batch: int = _f(4096, "Upper bound of the requested batch.", min=1)
-    sampling_method: str = _f("norm_test", "Batch-size test: norm_test, augmented_inner_product_test, constant.",
-                              choices=("norm_test", "augmented_inner_product_test", "constant"))
+    sampling_method: str = _f("norm_test", "How the requested batch evolves: norm_test, "
+                              "augmented_inner_product_test, constant, or linear_rampup (a batch-size warmup "
+                              "baseline: linear in tokens seen, initial_batch_size to max_requested_batch over "
+                              "rampup_tokens).",
+                              choices=("norm_test", "augmented_inner_product_test", "constant", "linear_rampup"))
+    rampup_tokens: int = _f(0, "linear_rampup: tokens (all trainers) over which the batch ramps up; "
+                            "0 = max_tokens (the whole run).", min=0)
     ETA: float = _f(0.8, "eta of the norm test (larger = smaller batches).", min=1e-6)
     vartheta: float = _f(0.01, "vartheta of the inner-product term of the augmented inner product test.",
                          min=1e-6)
     nu: float = _f(0.3, "nu of the orthogonality term of the augmented inner product test.", min=1e-6)
     variance_estimator: str = _f("micro_batches", "Gradient samples of the batch tests: micro_batches "
-                                 "(chunks of each node's last step, same point; works with one node) or nodes "
-                                 "(each node's last gradient, as in the paper; needs >= 2 nodes).",
+                                 "(chunks of each node's last step, same point; variance pooled within each "
+                                 "node, so it measures sampling noise only; works with one node) or nodes "
+                                 "(each node's last gradient, as in the paper; counts the drift between nodes "
+                                 "too; needs >= 2 nodes per trainer).",
                                  choices=("micro_batches", "nodes"))
     variance_micro_batches: int = _f(4, "Chunks per node for the micro_batches estimator.", min=2)
     switch_mode: str = _f("threshold_switch_mode", "How a requested batch above max_batch is run: "
@@ -167,12 +174,30 @@ class Config:
                               f"nodes, but devices x nodes_per_gpu = {total_nodes}")
         if self.initial_batch_size > self.max_requested_batch:
             raise ConfigError("initial_batch_size", "is larger than max_requested_batch")
+        self._check_batches_can_grow()
+        if self.sampling_method == "linear_rampup" and not (self.rampup_tokens or self.max_tokens):
+            raise ConfigError("rampup_tokens", "linear_rampup needs rampup_tokens > 0 or a max_tokens budget")
         if (self.model_type == "bert") != (self.dataset == "imdb"):
             raise ConfigError("model_type", f"'{self.model_type}' does not go with dataset '{self.dataset}': "
                               "bert trains on imdb, microllama on embedded or c4")
         unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
         if unknown or not self.embedded_sources:
             raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
+
+    def _check_batches_can_grow(self) -> None:
+        """Adaptive batching whose estimator can never see two gradient samples is a silent no-op: refuse it."""
+        if self.sampling_method not in ("norm_test", "augmented_inner_product_test"):
+            return
+        total_nodes = len(self.devices) * self.nodes_per_gpu
+        if self.variance_estimator == "nodes":
+            if total_nodes == 1 or (total_nodes == self.num_init_trainers and self.merge_frequency == 0):
+                raise ConfigError("variance_estimator", f"'nodes' needs >= 2 nodes per trainer, but {total_nodes} "
+                                  f"nodes serve {self.num_init_trainers} trainers that never merge: batches would "
+                                  "never grow; use variance_estimator: micro_batches, more nodes, or merging")
+        elif self.initial_batch_size == 1:
+            raise ConfigError("variance_estimator", "'micro_batches' splits each node's last step, but "
+                              "initial_batch_size 1 gives one example per step: batches would never grow; use "
+                              "initial_batch_size >= 2 or variance_estimator: nodes")
 
     @property
     def total_nodes(self) -> int:

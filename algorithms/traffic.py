@@ -1,0 +1,58 @@
+"""Communication accounting: what a real cluster would send for the rounds, merges and node moves we run.
+
+Definitions (also in README, "Communication accounting"). P = bytes of one trainer's fp32 weights.
+
+rounds              outer steps: synchronisation events of the whole cluster, DiLoCo's wall-clock unit.
+syncs               per-trainer all-reduces that actually cross nodes (a trainer with one node sends
+                    nothing, so it counts 0) plus merges.
+allreduce_bytes     a ring all-reduce of the fp32 pseudo-gradients among a trainer's n nodes: each node
+                    sends 2 (n-1)/n x P, so 2 (n-1) x P in all; 0 for n = 1. Every node then applies the
+                    same outer step to its own copy of the trainer's weights, so no weights move.
+merge_bytes         the absorbed trainers' fp32 weights (and outer momentum, when it exists) travel to
+                    the survivor's first node, which computes the weighted average.
+node_move_bytes     a node that starts a round from weights it does not hold (it joined another trainer,
+                    or its trainer was merged on another node) receives them: P. The common initial
+                    weights are not counted.
+bytes_communicated  allreduce_bytes + merge_bytes + node_move_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+def ring_allreduce_bytes(num_nodes: int, payload_bytes: int) -> int:
+    """Bytes all nodes together send in a ring all-reduce of `payload_bytes` among `num_nodes` nodes."""
+    return 2 * (num_nodes - 1) * payload_bytes if num_nodes > 1 else 0
+
+
+@dataclass
+class Traffic:
+    rounds: int = 0
+    syncs: int = 0
+    allreduce_bytes: int = 0
+    merge_bytes: int = 0
+    node_move_bytes: int = 0
+    node_moves: int = 0
+
+    @property
+    def bytes_communicated(self) -> int:
+        return self.allreduce_bytes + self.merge_bytes + self.node_move_bytes
+
+    def trainer_sync(self, num_nodes: int, payload_bytes: int) -> None:
+        """One trainer's outer step over `num_nodes` nodes."""
+        if num_nodes > 1:
+            self.syncs += 1
+            self.allreduce_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
+
+    def merge(self, moved_bytes: int) -> None:
+        self.syncs += 1
+        self.merge_bytes += moved_bytes
+
+    def node_move(self, weight_bytes: int) -> None:
+        self.node_moves += 1
+        self.node_move_bytes += weight_bytes
+
+    def row(self) -> dict[str, int]:
+        """The counters as they appear in training_log.csv, summary.json and the trackers."""
+        return {**asdict(self), "bytes_communicated": self.bytes_communicated}
