@@ -1,22 +1,34 @@
-"""Reproduce the paper's comparison (Figures 1 and 2): AdLoCo against DiLoCo, LocalSGD and ablations.
+"""Does AdLoCo help? AdLoCo against DiLoCo baselines, LocalSGD and ablations, at matched budgets.
 
-    python -m benchmarks.compare --config config.yaml --seeds 3 --out benchmarks/results/compare
+    python -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 3 --out benchmarks/results/compare
+
+    # the paper's regime: one shared pretrained start, then every variant fine-tunes it with a small lr
+    python -m benchmarks.compare --config configs/compare_warm_cpu.yaml --pretrain_config configs/pretrain_cpu.yaml \
+        --seeds 3 --out benchmarks/results/compare_warm
 
 Every variant trains on the same data, model and seeds, with the same token budget (`--max_tokens`,
-default: what the AdLoCo config uses in num_outer_steps with its initial batch, measured by a first
-AdLoCo run), as a separate `run.py` process. Variants are config overrides of the base config:
+default: what the AdLoCo config uses in num_outer_steps, measured by a first AdLoCo run), as a separate
+`run.py` process. Variants are config overrides of the base config:
 
   adloco              the base config (adaptive batching, merging, switch mode)
-  diloco              one trainer on all nodes, constant batch, no merging (DiLoCo)
-  localsgd            as diloco with LocalSGD (inner SGD at --localsgd_lr, outer = average)
   adloco_no_adaptive  sampling_method: constant
   adloco_no_merge     merge_frequency: 0
   adloco_no_switch    switch_mode: only_data_loader (never accumulate)
+  diloco_bB           one trainer on all nodes, constant batch B (--diloco_batches, default 2,4,8,16),
+                      run as it really is: loader batch x accumulation (only_gradient_accumulation)
+  diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
+                      max_requested_batch over the token budget (Megatron's rampup-batch-size)
+  localsgd            as diloco_b<initial batch> with LocalSGD (inner SGD at --localsgd_lr, outer = average)
 
-Writes comparison.md and comparison.csv (final validation perplexity mean and spread over seeds,
-outer synchronisations, bytes, tokens and wall time to reach the target perplexity, default
-DiLoCo's final mean) and plots of perplexity against synchronisations, tokens and wall time.
-Beside the measured synchronisations it prints the Theorem-2-style bound (benchmarks/theory.py).
+Warm start (two phases): `--pretrain_config CFG` trains one shared start with run.py (phase 1, into
+<out>/pretrain, reused when finished); `--init_from RUN_DIR` uses an existing run's final model. Phase 2
+starts every variant from that Hugging Face directory (model_weights/final/final_model, with its
+tokenizer) on the --config data.
+
+Outputs in --out: comparison.md (every table), comparison.csv (one row per variant), budgets.csv (the
+metric at matched budgets), merges.csv (every merge of every run) and plots of the metric against
+rounds, syncs, bytes, tokens and wall time. Reported per run: the real final model (summary.json's
+final_metric, the model in model_weights/final) and, separately, the best metric seen during the run.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import argparse
 import csv
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,61 +51,104 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.theory import communication_bound  # noqa: E402
-from utils.config import load_config  # noqa: E402
+from utils.config import Config, load_config  # noqa: E402
+
+# budget axes: curve key -> what it counts (definitions in algorithms/traffic.py)
+AXES = {"tokens": "tokens seen (all trainers)", "rounds": "rounds (outer steps)",
+        "syncs": "syncs (cross-node all-reduces + merges)", "bytes": "bytes communicated"}
 
 
-def variants(localsgd_lr: float) -> dict[str, list[str]]:
-    single = ["num_init_trainers=1", "sampling_method=constant", "merge_frequency=0"]
-    return {
+def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dict[str, list[str]]:
+    single = ["num_init_trainers=1", "merge_frequency=0"]
+    real_batch = "switch_mode=only_gradient_accumulation"  # a constant batch B really runs B sequences per step
+    chosen = {
         "adloco": [],
-        "diloco": single,
-        "localsgd": [*single, "distributed_algo=LocalSGD", f"lr_inner={localsgd_lr}"],
         "adloco_no_adaptive": ["sampling_method=constant"],
         "adloco_no_merge": ["merge_frequency=0"],
         "adloco_no_switch": ["switch_mode=only_data_loader"],
     }
+    for b in diloco_batches:
+        chosen[f"diloco_b{b}"] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
+                                  f"max_requested_batch={max(b, base.max_requested_batch)}", real_batch]
+    chosen["diloco_rampup"] = [*single, "sampling_method=linear_rampup", "rampup_tokens=0", real_batch]
+    chosen["localsgd"] = [*single, "sampling_method=constant", "distributed_algo=LocalSGD", f"lr_inner={localsgd_lr}"]
+    return chosen
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
 
 
 def read_run(run_dir: Path) -> dict:
-    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    with (run_dir / "model_training_report" / "merge_events.csv").open() as f:
-        merges = list(csv.DictReader(f))
+    """A finished run: its curve (one point per outer step, the models alive after that step's merge),
+    the real final metric, the best metric seen, merge diagnostics and what batches it really ran."""
+    report = run_dir / "model_training_report"
+    rows, merges = _read_csv(report / "training_log.csv"), _read_csv(report / "merge_events.csv")
     summary = json.loads((run_dir / "summary.json").read_text())
-    curve = {}  # outer step -> the best trainer's perplexity and the run's counters at that point
+    metric = summary["metric"]
+    pick = max if metric == "val_accuracy" else min
+    merge_at = {int(m["outer_step"]): m for m in merges}
+    by_step: dict[int, list[dict[str, str]]] = {}
     for r in rows:
-        step = int(r["outer_step"])
-        point = curve.setdefault(step, {"ppl": math.inf, "comms": 0, "tokens": 0, "wall": 0.0, "bytes": 0})
-        point["ppl"] = min(point["ppl"], float(r["val_perplexity"]))
-        point["comms"] = max(point["comms"], int(r["communications"] or 0))
-        point["tokens"] = max(point["tokens"], int(r["global_tokens"] or 0))
-        point["bytes"] = max(point["bytes"], int(r["bytes_communicated"] or 0))
-        point["wall"] = max(point["wall"], float(r["wall_time"] or 0))
+        by_step.setdefault(int(r["outer_step"]), []).append(r)
+    curve = []
+    for step in sorted(by_step):
+        rs = by_step[step]
+        alive = {r["trainer_id"]: float(r[metric]) for r in rs}
+        if step in merge_at:  # the merged model replaces its members from this point on
+            m = merge_at[step]
+            for merged in m["merged"].split():
+                alive.pop(merged, None)
+            alive[m["survivor"]] = float(m["metric_after"])
+        last = rs[-1]
+        curve.append({"step": step, "metric": pick(alive.values()), "tokens": int(last["global_tokens"] or 0),
+                      "rounds": int(last["rounds"] or 0), "syncs": int(last["syncs"] or 0),
+                      "bytes": int(last["bytes_communicated"] or 0), "wall": float(last["wall_time"] or 0)})
     trained = [r for r in rows if r["outer_step"] != "0"]
-    return {"curve": [curve[s] for s in sorted(curve)], "summary": summary, "merges": len(merges),
+    shapes = [f"{r['loader_batch']}x{r['accumulation_steps']}" for r in trained]
+    ran = shapes[0] if len(set(shapes)) == 1 else f"{shapes[0]}..{shapes[-1]}"
+    return {"curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
+            "best_seen": summary.get("best_metric_seen"), "ran": ran,
+            "merges": [{"before": [float(v) for v in m["metric_before"].split()],
+                        "weighted": float(m["metric_weighted_before"]), "after": float(m["metric_after"])}
+                       for m in merges],
             "requested_batches": sorted({int(r["requested_batch"]) for r in trained}),
             "max_accumulation": max(int(r["accumulation_steps"]) for r in trained),
             "grad_sq_norm": [float(r["grad_sq_norm"]) for r in trained if r.get("grad_sq_norm")],
             "train_loss_first": float(trained[0]["train_loss"])}
 
 
-def first_reaching(curve: list[dict], target: float, key: str) -> float | None:
+def value_at(curve: list[dict], axis: str, budget: float, log_scale: bool = True) -> tuple[float, bool]:
+    """The metric at exactly `budget` on `axis`: interpolated between the last point at or under the budget
+    and the next one (in log space for perplexity). (value, True) when the run reached the budget;
+    (its last value, False) when it ended below it."""
+    under = [p for p in curve if p[axis] <= budget]
+    after = next((p for p in curve if p[axis] > budget), None)
+    last = under[-1]
+    if after is None or last[axis] == budget:
+        return last["metric"], last[axis] >= budget
+    frac = (budget - last[axis]) / (after[axis] - last[axis])
+    if log_scale:
+        return math.exp(math.log(last["metric"]) + frac * (math.log(after["metric"]) - math.log(last["metric"]))), True
+    return last["metric"] + frac * (after["metric"] - last["metric"]), True
+
+
+def first_reaching(curve: list[dict], target: float, key: str, higher_is_better: bool) -> float | None:
     for point in curve:
-        if point["ppl"] <= target:
+        if (point["metric"] >= target) if higher_is_better else (point["metric"] <= target):
             return point[key]
     return None
 
 
-def run_variant(name: str, overrides: list[str], seed: int, args, out: Path) -> Path:
+def run_variant(name: str, overrides: list[str], seed: int, args, out: Path, extra: list[str]) -> Path:
     run_name = f"{name}_seed{seed}"
     run_dir = out / "runs" / run_name
     if (run_dir / "summary.json").is_file() and not args.rerun:
         return run_dir  # finished earlier: resume the comparison instead of redoing it
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *args.overrides, *overrides,
+    cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *args.overrides, *extra, *overrides,
            f"training_seed={seed}", f"log_dir={out / 'runs'}", f"run_name={run_name}", "clearml_mode=off",
            f"max_tokens={args.max_tokens}", f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
     with (out / "runs" / f"{run_name}.out").open("w") as log_file:
@@ -102,30 +158,181 @@ def run_variant(name: str, overrides: list[str], seed: int, args, out: Path) -> 
     return run_dir
 
 
-def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
+def warm_start(args, out: Path) -> list[str]:
+    """Phase 1 of the warm-start workflow: the overrides that start every variant from one pretrained model."""
+    if args.pretrain_config:
+        run_dir = out / "pretrain"
+        if not (run_dir / "summary.json").is_file():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.pretrain_config, *args.pretrain_set,
+                   f"log_dir={out}", "run_name=pretrain", "clearml_mode=off", "save_weights_every=0"]
+            print(f"phase 1: pretraining the shared start ({args.pretrain_config}) into {run_dir}")
+            with (out / "pretrain.out").open("w") as log_file:
+                if subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT).returncode != 0:
+                    raise SystemExit(f"error: --pretrain_config: phase 1 failed; see {out / 'pretrain.out'}")
+        init_from = run_dir
+    elif args.init_from:
+        init_from = Path(args.init_from)
+    else:
+        return []
+    model_dir = (init_from / "model_weights" / "final" / "final_model").resolve()
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"error: --init_from: {model_dir} holds no final model (config.json); give a finished "
+                         "run directory")
+    summary = json.loads((init_from / "summary.json").read_text()) if (init_from / "summary.json").is_file() else {}
+    print(f"warm start from {model_dir} ({summary.get('metric', 'metric')} {summary.get('final_metric', '?')} "
+          "on its own data)")
+    return [f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(results: dict[str, list[dict]], base: Config, args) -> dict:
+    """Every table of the report, as lists of dicts."""
+    any_run = next(iter(results.values()))[0]
+    metric = any_run["metric"]
+    higher = metric == "val_accuracy"
+    diloco_default = f"diloco_b{base.initial_batch_size}"
+    finals = {n: [r["final"] for r in runs] for n, runs in results.items()}
+    reference = diloco_default if diloco_default in finals else next((n for n in finals if n.startswith("diloco")), "")
+    target = args.target or (statistics.mean(finals[reference]) if reference else 0.0)
+    main_rows, budget_rows, merge_rows = [], [], []
+    for name, runs in results.items():
+        final_mean, final_std = _mean_std(finals[name])
+        row = {"variant": name, "ran": runs[0]["ran"], "final_mean": final_mean, "final_std": final_std,
+               "best_seen_mean": statistics.mean(r["best_seen"] for r in runs if r["best_seen"] is not None)
+               if any(r["best_seen"] is not None for r in runs) else None}
+        for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
+            row[key] = statistics.mean(r["curve"][-1][key] for r in runs)
+        for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
+            reach = [first_reaching(r["curve"], target, key, higher) for r in runs]
+            got = [v for v in reach if v is not None]
+            row[f"{key}_to_target"] = statistics.mean(got) if len(got) == len(reach) else f"{len(got)}/{len(reach)}"
+        row.update({"merges": statistics.mean(len(r["merges"]) for r in runs),
+                    "max_requested_batch": max(max(r["requested_batches"]) for r in runs),
+                    "max_accumulation": max(r["max_accumulation"] for r in runs),
+                    "theorem2_bound": communication_bound(base, runs[0])})
+        main_rows.append(row)
+        events = [m for r in runs for m in r["merges"]]
+        if events:
+            best_member = [(max if higher else min)(m["before"]) for m in events]
+            change = [100 * (m["after"] - b) / b for m, b in zip(events, best_member)]
+            better_than_weighted = [(m["after"] >= m["weighted"]) if higher else (m["after"] <= m["weighted"])
+                                    for m in events]
+            merge_rows.append({"variant": name, "merges": len(events),
+                               "best_member_mean": statistics.mean(best_member),
+                               "weighted_members_mean": statistics.mean(m["weighted"] for m in events),
+                               "after_mean": statistics.mean(m["after"] for m in events),
+                               "after_vs_best_member_pct_mean": statistics.mean(change),
+                               "after_vs_best_member_pct_worst": (min if higher else max)(change),
+                               "share_better_than_weighted": sum(better_than_weighted) / len(events)})
+    budgets = {"tokens": float(args.max_tokens)}
+    for axis in ("rounds", "syncs", "bytes"):
+        totals = [r["curve"][-1][axis] for runs in results.values() for r in runs if r["curve"][-1][axis] > 0]
+        if totals:
+            budgets[axis] = float(min(totals))  # the largest budget every communicating run reached
+    for axis, budget in budgets.items():
+        for name, runs in results.items():
+            values = [value_at(r["curve"], axis, budget, log_scale=not higher) for r in runs]
+            mean, std = _mean_std([v for v, _ in values])
+            budget_rows.append({"axis": axis, "budget": budget, "variant": name, "metric_mean": mean,
+                                "metric_std": std, "runs_ended_below_budget": sum(not ok for _, ok in values)})
+    return {"metric": metric, "target": target, "reference": reference, "main": main_rows, "budgets": budget_rows,
+            "merges": merge_rows}
+
+
+def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for key, label in (("comms", "outer synchronisations + merges"), ("tokens", "tokens seen"),
-                       ("wall", "wall time (s)")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (*AXES.items(), ("wall", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(8, 5))
         for name, runs in results.items():
-            curve = runs[0]["curve"]  # first seed; the table has the spread over seeds
-            ax.plot([p[key] for p in curve], [p["ppl"] for p in curve], marker="o", ms=3, label=name)
-        ax.set_yscale("log")
-        ax.set(xlabel=label, ylabel="validation perplexity (best trainer)",
-               title=f"Validation perplexity against {label}")
+            curve = runs[0]["curve"]  # first seed; the tables have the spread over seeds
+            ax.plot([p[key] for p in curve], [p["metric"] for p in curve], marker="o", ms=3,
+                    ls="-" if name.startswith("adloco") else "--", label=f"{name} ({runs[0]['ran']})")
+        if metric == "val_perplexity":
+            ax.set_yscale("log")
+        ax.set(xlabel=label, ylabel=f"{metric} (best model alive)", title=f"{metric} against {label} (seed 0)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out / f"perplexity_vs_{key}.png"
+        path = out / f"{metric}_vs_{key}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _table(rows: list[dict], cols: list[str]) -> list[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+            *("| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows)]
+
+
+def write_outputs(report: dict, results: dict, args, out: Path) -> str:
+    with (out / "comparison.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(report["main"][0]))
+        w.writeheader()
+        w.writerows(report["main"])
+    with (out / "budgets.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(report["budgets"][0]))
+        w.writeheader()
+        w.writerows(report["budgets"])
+    with (out / "merges.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "seed", "metric_before", "metric_weighted_before", "metric_after"])
+        for name, runs in results.items():
+            for seed, r in enumerate(runs):
+                for m in r["merges"]:
+                    w.writerow([name, seed, " ".join(f"{v:.6g}" for v in m["before"]), m["weighted"], m["after"]])
+    metric = report["metric"]
+    warm = f"; warm start: {args.warm_from}" if args.warm_from else ""
+    lines = [f"# AdLoCo comparison ({datetime.now():%Y-%m-%d})", "",
+             f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
+             f"{args.max_tokens}{warm}; target {metric}: {report['target']:.4g} "
+             f"({'given' if args.target else report['reference'] + ' final mean'}).", "",
+             f"## Final models ({metric} of the real final model, mean and std over seeds; best seen during the run)",
+             "", *_table(report["main"], ["variant", "ran", "final_mean", "final_std", "best_seen_mean", "tokens",
+                                          "rounds", "syncs", "bytes", "wall", "merges", "max_requested_batch",
+                                          "max_accumulation", "theorem2_bound"]), "",
+             "## To the target (mean over seeds; k/n: only k of n seeds reached it)", "",
+             *_table(report["main"], ["variant", "tokens_to_target", "rounds_to_target", "syncs_to_target",
+                                      "bytes_to_target", "wall_to_target"]), ""]
+    for axis, label in AXES.items():
+        rows = [r for r in report["budgets"] if r["axis"] == axis]
+        if not rows:
+            continue
+        lines += [f"## At a matched budget of {rows[0]['budget']:.6g} {label}", "",
+                  *_table(rows, ["variant", "metric_mean", "metric_std", "runs_ended_below_budget"]), ""]
+    lines += ["## Merges: the merged model against its members (every merge of every seed)", ""]
+    lines += (_table(report["merges"], ["variant", "merges", "best_member_mean", "weighted_members_mean",
+                                        "after_mean", "after_vs_best_member_pct_mean",
+                                        "after_vs_best_member_pct_worst", "share_better_than_weighted"])
+              if report["merges"] else ["no merges"])
+    lines += ["", "ran: loader batch x accumulation steps actually run (first..last). final: the model the run "
+              "leaves in model_weights/final (after its last merge). At a matched budget: the metric of the best "
+              "model alive, interpolated between the last outer step at or under the budget and the next (log "
+              "scale for perplexity); runs_ended_below_budget counts seeds that stopped before it (their last "
+              "value is used). Budgets for rounds, syncs and bytes: the smallest total any communicating run "
+              "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
+              "benchmarks/theory.py.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plot(results, metric, out)]
+    text = "\n".join(lines) + "\n"
+    (out / "comparison.md").write_text(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +343,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="token budget per run; 0 = what the first AdLoCo run uses in its num_outer_steps")
     p.add_argument("--max_outer_steps", type=int, default=200, help="upper bound on outer steps per run")
     p.add_argument("--variants", default="all", help="comma-separated subset of the variants")
-    p.add_argument("--target", type=float, default=0.0, help="target perplexity; 0 = DiLoCo's final mean")
+    p.add_argument("--diloco_batches", default="2,4,8,16", help="constant batches of the DiLoCo baselines")
+    p.add_argument("--target", type=float, default=0.0,
+                   help="target metric; 0 = the final mean of DiLoCo at the initial batch")
     p.add_argument("--localsgd_lr", type=float, default=0.3, help="inner SGD learning rate of the LocalSGD baseline")
+    p.add_argument("--pretrain_config", default="", help="phase 1 of the warm start: run.py config of the shared start")
+    p.add_argument("--pretrain_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for phase 1 (repeatable)")
+    p.add_argument("--init_from", default="", help="warm start from this finished run's final model")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     p.add_argument("--rerun", action="store_true", help="redo runs that already finished")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every variant")
@@ -145,82 +358,27 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     base = load_config(args.config, args.overrides)
-    chosen = variants(args.localsgd_lr)
+    extra = warm_start(args, out)
+    args.warm_from = extra[0].split("=", 1)[1] if extra else ""
+    chosen = variants(base, [int(b) for b in args.diloco_batches.split(",") if b], args.localsgd_lr)
     if args.variants != "all":
+        unknown = set(args.variants.split(",")) - set(chosen)
+        if unknown:
+            raise SystemExit(f"error: --variants: unknown {', '.join(sorted(unknown))}; "
+                             f"choose from {', '.join(chosen)}")
         chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
     if not args.max_tokens:
         # the budget: what AdLoCo itself consumes in the configured number of outer steps
         budget_args = argparse.Namespace(**{**vars(args), "max_tokens": 0, "max_outer_steps": base.num_outer_steps})
-        first = read_run(run_variant("adloco", [], 0, budget_args, out))
+        first = read_run(run_variant("adloco", [], 0, budget_args, out, extra))
         args.max_tokens = first["curve"][-1]["tokens"]
         print(f"token budget: {args.max_tokens} tokens (AdLoCo, {base.num_outer_steps} outer steps, seed 0)")
     results: dict[str, list[dict]] = {}
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
-        run_dir = run_variant(name, chosen[name], seed, args, out)
-        results.setdefault(name, []).append(read_run(run_dir))
-    # final = the best trainer at the last outer step, from the same CSV as the curves
-    finals = {n: [r["curve"][-1]["ppl"] for r in runs] for n, runs in results.items()}
-    target = args.target or (statistics.mean(finals["diloco"]) if "diloco" in finals else 0.0)
-    table = []
-    for name, runs in results.items():
-        ppl = finals[name]
-        reach = [first_reaching(r["curve"], target, "comms") for r in runs]
-        reach_tokens = [first_reaching(r["curve"], target, "tokens") for r in runs]
-        reach_wall = [first_reaching(r["curve"], target, "wall") for r in runs]
-
-        def mean_or_none(values):
-            got = [v for v in values if v is not None]
-            return statistics.mean(got) if len(got) == len(values) else None
-
-        bound = communication_bound(base, runs[0])
-        table.append({
-            "variant": name, "final_ppl_mean": statistics.mean(ppl),
-            "final_ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-            "syncs": statistics.mean(r["curve"][-1]["comms"] for r in runs),
-            "bytes_mb": statistics.mean(r["curve"][-1]["bytes"] for r in runs) / 1e6,
-            "tokens": statistics.mean(r["curve"][-1]["tokens"] for r in runs),
-            "wall_s": statistics.mean(r["curve"][-1]["wall"] for r in runs),
-            "syncs_to_target": mean_or_none(reach), "tokens_to_target": mean_or_none(reach_tokens),
-            "wall_s_to_target": mean_or_none(reach_wall),
-            "merges": statistics.mean(r["merges"] for r in runs),
-            "max_requested_batch": max(max(r["requested_batches"]) for r in runs),
-            "max_accumulation": max(r["max_accumulation"] for r in runs),
-            "theorem2_bound": bound,
-        })
-    write_outputs(table, results, target, args, out)
+        results.setdefault(name, []).append(read_run(run_variant(name, chosen[name], seed, args, out, extra)))
+    print(write_outputs(summarise(results, base, args), results, args, out))
     return 0
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "not reached"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def write_outputs(table: list[dict], results: dict, target: float, args, out: Path) -> None:
-    with (out / "comparison.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
-    cols = ["variant", "final_ppl_mean", "final_ppl_std", "syncs", "bytes_mb", "tokens", "wall_s", "syncs_to_target",
-            "tokens_to_target", "wall_s_to_target", "merges", "max_requested_batch", "max_accumulation",
-            "theorem2_bound"]
-    lines = [f"# AdLoCo comparison ({datetime.now():%Y-%m-%d})", "",
-             f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
-             f"{args.max_tokens}; target perplexity: {target:.4g} "
-             f"({'given' if args.target else 'DiLoCo final mean'}).", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for row in table:
-        lines.append("| " + " | ".join(_fmt(row[c]) for c in cols) + " |")
-    lines += ["", "syncs = outer synchronisations (one per trainer per outer step) + merges; *_to_target = first "
-              "outer step whose best trainer reaches the target (mean over seeds; 'not reached' if a seed never "
-              "did); theorem2_bound: see benchmarks/theory.py for the formula and its assumptions.", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in plot(results, out)]
-    (out / "comparison.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
