@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import ADAPTIVE, GradientSamples, build_batch_test
+from algorithms.calc_batch import GradientSamples, build_batch_test
 from algorithms.policies import build_merge_policy
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
@@ -137,7 +137,6 @@ class ClusterController:
         self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
         # (trainer, weights version) each node holds; None = the common initial weights
         self.holds: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
-        self._warn_if_batches_cannot_grow()
         self.evaluator = Evaluator(replicate(model, cfg.devices[0]), data.val, cfg.eval_batch_size, cfg.devices[0])
         self.backend = RoundBackend(self.nodes, use_threads(cfg))
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
@@ -145,17 +144,6 @@ class ClusterController:
         self.tokens_total = 0
         self.last_outer_step = 0
         self.best_seen: float | None = None  # best metric of any model evaluated during the run
-
-    def _warn_if_batches_cannot_grow(self) -> None:
-        cfg = self.cfg
-        if cfg.sampling_method not in ADAPTIVE or cfg.variance_estimator != "nodes":
-            return
-        counts = node_counts({t: cfg.initial_batch_size for t in self.trainers}, len(self.nodes))
-        alone = [t for t, c in counts.items() if c == 1]
-        if alone:
-            log.warning("variance_estimator 'nodes': trainers %s start with one node, so they have one gradient "
-                        "sample and their batch cannot grow until a merge gives them a second node "
-                        "(variance_estimator: micro_batches works with one node)", " ".join(map(str, alone)))
 
     def _seen(self, value: float) -> None:
         if math.isfinite(value) and (self.best_seen is None or (value > self.best_seen) == self._higher_is_better):

@@ -60,6 +60,8 @@ def train(cfg: Config) -> tuple[Path, dict]:
     setup_logging(run_dir / cfg.log_file)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     log.info("run directory: %s", run_dir)
+    for warning in cfg.warnings():
+        log.warning("config: %s", warning)
     set_seeds(cfg.training_seed)
     data = load_corpus(cfg)
     log.info("data: %s", data.description)

@@ -38,6 +38,7 @@ def test_quoted_learning_rates_as_in_the_authors_config():
     ("model_config.pretrained=maybe", "model_config.pretrained", "true or false"),
     ("model_config.nme=x", "model_config.nme", "did you mean 'model_config.name'"),
     ("outer_nesterov=true", "outer_nesterov", "outer_momentum"),
+    ("sampling_method=linear_rampup", "rampup_tokens", "max_tokens"),
 ])
 def test_bad_values_name_the_key(override, key, fragment):
     with pytest.raises(ConfigError) as err:
@@ -67,3 +68,40 @@ def test_every_key_is_documented_in_readme_and_config_yaml():
         assert f"`{key}`" in readme, key
         assert key.split(".")[-1] + ":" in config_yaml, key
     assert set(Config().to_dict())  # the table is built from the dataclass itself
+
+
+@pytest.mark.parametrize("overrides", [
+    # the paper's estimator with one node per trainer and no merges: no trainer ever sees two samples
+    ["variance_estimator=nodes", "num_init_trainers=4", "merge_frequency=0"],
+    ["variance_estimator=nodes", "devices=[cpu]", "nodes_per_gpu=1", "num_init_trainers=1"],
+    # one example per node step cannot be split into micro-batches
+    ["variance_estimator=micro_batches", "initial_batch_size=1"],
+])
+def test_configs_whose_batches_can_never_grow_are_refused(overrides):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "config.yaml", overrides)
+    assert err.value.key == "variance_estimator" and "never grow" in str(err.value)
+    # the same settings without adaptive batching are fine
+    assert load_config(ROOT / "config.yaml", [*overrides, "sampling_method=constant"]).warnings() == []
+
+
+def test_one_node_trainers_with_the_nodes_estimator_are_warned_about():
+    cfg = load_config(ROOT / "config.yaml", ["variance_estimator=nodes", "num_init_trainers=3"])  # 4 nodes
+    (warning,) = cfg.warnings()
+    assert "trainers 1 2 start with one node" in warning
+    assert load_config(ROOT / "config.yaml", ["variance_estimator=nodes", "num_init_trainers=2"]).warnings() == []
+    assert load_config(ROOT / "config.yaml").warnings() == []  # micro_batches works with one node
+
+
+def test_readme_quotes_config_yaml_values_truly():
+    import re
+
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    values = yaml.safe_load((ROOT / "config.yaml").read_text())
+    sentence = readme[readme.index("`config.yaml` sets"):].split(")")[0]
+    quoted = re.findall(r"`(\w+): ([^`]+)`", sentence)
+    assert len(quoted) >= 3
+    for key, value in quoted:
+        assert values[key] == yaml.safe_load(value), key

@@ -199,6 +199,21 @@ class Config:
                               "initial_batch_size 1 gives one example per step: batches would never grow; use "
                               "initial_batch_size >= 2 or variance_estimator: nodes")
 
+    def warnings(self) -> list[str]:
+        """Valid settings that likely do not do what the user wants; run.py logs them before any work."""
+        from algorithms.assignment import node_counts
+
+        out = []
+        if self.sampling_method in ("norm_test", "augmented_inner_product_test") and self.variance_estimator == "nodes":
+            counts = node_counts({t: self.initial_batch_size for t in range(self.num_init_trainers)},
+                                 self.total_nodes)
+            alone = [t for t, c in counts.items() if c == 1]
+            if alone:
+                out.append(f"variance_estimator 'nodes': trainers {' '.join(map(str, alone))} start with one node, so "
+                           "they have one gradient sample and their batch cannot grow until a merge gives them a "
+                           "second node (variance_estimator: micro_batches works with one node)")
+        return out
+
     @property
     def total_nodes(self) -> int:
         return len(self.devices) * self.nodes_per_gpu
