@@ -146,12 +146,9 @@ class ClusterController:
         self.best_seen: float | None = None  # best metric of any model evaluated during the run
 
     def _seen(self, value: float) -> None:
-        if math.isfinite(value) and (self.best_seen is None or (value > self.best_seen) == self._higher_is_better):
+        better = self.best_seen is None or (value > self.best_seen) == self.evaluator.higher_is_better
+        if math.isfinite(value) and better:
             self.best_seen = value
-
-    @property
-    def _higher_is_better(self) -> bool:
-        return self.evaluator.higher_is_better
 
     def _gradient_samples(self, res: RoundResult) -> GradientSamples | None:
         if not res.node_samples:
@@ -300,7 +297,8 @@ class ClusterController:
                          f"{metric[4:]} {r[metric]:.4g} -> req {r['next_requested_batch']}")
         if merge_event:
             parts.append(f"merged T{merge_event['merged']} into T{merge_event['survivor']} "
-                         f"(weights {merge_event['weights']}; {metric[4:]} {merge_event['metric_before']} -> "
+                         f"(weights {merge_event['weights']}; {metric[4:]} "
+                         f"{' '.join(f'{float(v):.4g}' for v in merge_event['metric_before'].split())} -> "
                          f"{merge_event['metric_after']:.4g})")
         return " | ".join(parts)
 

@@ -185,6 +185,11 @@ def warm_start(args, out: Path) -> list[str]:
     return [f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"]
 
 
+def _shown(path: Path) -> str:
+    """A path as the report shows it: relative to the repository when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     base = load_config(args.config, args.overrides)
     extra = warm_start(args, out)
-    args.warm_from = extra[0].split("=", 1)[1] if extra else ""
+    args.warm_from = _shown(Path(extra[0].split("=", 1)[1])) if extra else ""
     chosen = variants(base, [int(b) for b in args.diloco_batches.split(",") if b], args.localsgd_lr)
     if args.variants != "all":
         unknown = set(args.variants.split(",")) - set(chosen)

@@ -62,7 +62,8 @@ def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
                      ("requested_batch", "trainer_0"), ("loader_batch", "trainer_0"),
                      ("accumulation_steps", "trainer_0"), ("num_nodes", "trainer_0"), ("trainers_alive", "global"),
                      ("tokens_seen", "global"), ("syncs", "global"), ("rounds", "global"),
-                     ("bytes_communicated", "global"),
+                     ("bytes_communicated", "global"), ("val_perplexity_after", "merge"),
+                     ("val_perplexity_best_member", "merge"),
                      ("process_rss_mib", "memory_before_round"), ("process_rss_mib", "memory_round_peak")]:
         assert expected in pairs, expected
     assert sorted({i for m, v, i in scalars if (m, v) == ("val_perplexity", "global")}) == [0, 1, 2, 3]
