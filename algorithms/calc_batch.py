@@ -189,7 +189,6 @@ class LinearRampup(BatchTest):
 
 
 BATCH_TESTS = {cls.name: cls for cls in (NormTest, AugmentedInnerProductTest, ConstantBatch, LinearRampup)}
-ADAPTIVE = (NormTest.name, AugmentedInnerProductTest.name)  # the tests that need gradient variance to grow
 
 
 def build_batch_test(name: str, *, eta: float, vartheta: float, nu: float, max_batch: int, start: int = 1,

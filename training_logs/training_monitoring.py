@@ -9,6 +9,7 @@ import csv
 import threading
 from pathlib import Path
 
+from algorithms.traffic import Traffic
 from training_logs.memory_monitor import MemoryMonitor
 from training_logs.plots import plot_step_loss, plot_training
 from training_logs.step_loss_logger import StepLossLogger
@@ -22,7 +23,7 @@ COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", 
 # metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
 MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes", "metric",
                  "metric_before", "metric_weighted_before", "metric_after"]
-TRAFFIC = ("rounds", "syncs", "bytes_communicated", "allreduce_bytes", "merge_bytes", "node_move_bytes")
+TRAFFIC = tuple(Traffic().row())  # the traffic counters (algorithms/traffic.py), all in COLUMNS
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
            "accumulation_steps", "num_nodes", "tokens_seen")
 
@@ -52,7 +53,7 @@ class TrainingLogger:
 
     def log_initial(self, metrics: dict[str, float], trainer_ids: list[int]) -> None:
         rows = [{"outer_step": 0, "trainer_id": t, **metrics, "tokens_seen": 0, "global_tokens": 0,
-                 "optimizer_steps": 0, **{k: 0 for k in TRAFFIC}, "node_moves": 0, "wall_time": 0.0,
+                 "optimizer_steps": 0, **Traffic().row(), "wall_time": 0.0,
                  "trainers_alive": len(trainer_ids)} for t in trainer_ids]
         with self._lock:
             self._append(self.csv_path, COLUMNS, rows)

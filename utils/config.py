@@ -20,6 +20,9 @@ import yaml
 
 from utils.errors import ConfigError
 
+# sampling methods that grow the batch from measured gradient variance (algorithms/calc_batch.py)
+ADAPTIVE_TESTS = ("norm_test", "augmented_inner_product_test")
+
 
 def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, **bounds: float) -> Any:
     """A dataclass field with documentation, optional choices and numeric bounds (min / max)."""
@@ -186,9 +189,9 @@ class Config:
 
     def _check_batches_can_grow(self) -> None:
         """Adaptive batching whose estimator can never see two gradient samples is a silent no-op: refuse it."""
-        if self.sampling_method not in ("norm_test", "augmented_inner_product_test"):
+        if self.sampling_method not in ADAPTIVE_TESTS:
             return
-        total_nodes = len(self.devices) * self.nodes_per_gpu
+        total_nodes = self.total_nodes
         if self.variance_estimator == "nodes":
             if total_nodes == 1 or (total_nodes == self.num_init_trainers and self.merge_frequency == 0):
                 raise ConfigError("variance_estimator", f"'nodes' needs >= 2 nodes per trainer, but {total_nodes} "
@@ -204,7 +207,7 @@ class Config:
         from algorithms.assignment import node_counts
 
         out = []
-        if self.sampling_method in ("norm_test", "augmented_inner_product_test") and self.variance_estimator == "nodes":
+        if self.sampling_method in ADAPTIVE_TESTS and self.variance_estimator == "nodes":
             counts = node_counts({t: self.initial_batch_size for t in range(self.num_init_trainers)},
                                  self.total_nodes)
             alone = [t for t, c in counts.items() if c == 1]
