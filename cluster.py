@@ -8,13 +8,16 @@ backend would implement the same method with an all-reduce; algorithms/ and trai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -26,11 +29,13 @@ from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import Evaluator
 from fabrics.models import float_state, replicate
-from trainers import TRAINERS, Node, NodeJob, NodeResult, Trainer
+from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
-from utils.checkpoint import save_checkpoint
+from utils.checkpoint import Checkpoint, save_checkpoint
 from utils.config import Config
+from utils.errors import RunStopped, TrainingFault, UserError
 from utils.max_batch_calculator import find_max_batch_size
+from utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,26 @@ class RoundResult:
     node_samples: dict[int, tuple[torch.Tensor, torch.Tensor]]  # node id -> (gradient samples, their batch sizes)
     node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
     learning_rate: float
+
+
+@dataclass
+class NodeFault:
+    """A node whose round failed: an exception, or a non-finite loss or weights."""
+
+    node_id: int
+    trainer_id: int
+    kind: str  # error | nan
+    message: str
+
+
+def check_finite(result: NodeResult) -> NodeFault | None:
+    bad = next((i for i, loss in enumerate(result.step_losses) if not math.isfinite(loss)), None)
+    if bad is not None:
+        return NodeFault(result.node_id, result.trainer_id, "nan",
+                         f"non-finite loss at inner step {bad} (diverged? lower lr_inner)")
+    if not all(bool(torch.isfinite(v).all()) for v in result.state.values()):
+        return NodeFault(result.node_id, result.trainer_id, "nan", "non-finite weights after the round")
+    return None
 
 
 def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
@@ -73,18 +98,41 @@ def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
 
 
 class RoundBackend:
-    """Runs the jobs of one round on their nodes and combines the results per trainer."""
+    """Runs the jobs of one round on their nodes and combines the good results per trainer.
+
+    A node that raises or ends its round with non-finite numbers is reported as a NodeFault and left out
+    of its trainer's mean; a stop request (RoundAbandoned) is raised once every node has left its round.
+    """
 
     def __init__(self, nodes: list[Node], concurrent: bool) -> None:
         self.nodes = nodes
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
-    def run_round(self, jobs: list[NodeJob]) -> dict[int, RoundResult]:
+    def _run_one(self, job: NodeJob) -> NodeResult | NodeFault:
+        try:
+            result = self.nodes[job.node_id].run(job)
+        except RoundAbandoned:
+            raise
+        except Exception as exc:  # a node fault, handled by the on_node_fault policy
+            log.debug("node %d failed", job.node_id, exc_info=True)
+            return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
+        return check_finite(result) or result
+
+    def run_round(self, jobs: list[NodeJob]) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         if self.pool is None:
-            results = [self.nodes[j.node_id].run(j) for j in jobs]
+            outcomes = [self._run_one(j) for j in jobs]
         else:
-            results = [f.result() for f in [self.pool.submit(self.nodes[j.node_id].run, j) for j in jobs]]
-        return combine(results)
+            futures = [self.pool.submit(self._run_one, j) for j in jobs]
+            outcomes, abandoned = [], None
+            for future in futures:  # wait for every node, so none is still writing when we go on
+                try:
+                    outcomes.append(future.result())
+                except RoundAbandoned as exc:
+                    abandoned = exc
+            if abandoned is not None:
+                raise abandoned
+        faults = [o for o in outcomes if isinstance(o, NodeFault)]
+        return combine([o for o in outcomes if isinstance(o, NodeResult)]), faults
 
     def close(self) -> None:
         if self.pool is not None:
@@ -99,10 +147,34 @@ def use_threads(cfg: Config) -> bool:
     return len(set(cuda)) > 1 and len(cuda) == len(cfg.devices)
 
 
+def rng_state() -> dict:
+    """Every global RNG (none decides anything today, but a model with dropout would use them)."""
+    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+            "python_version": random.getstate()[0], "numpy": np.random.get_state()[1].tolist(),
+            "numpy_pos": int(np.random.get_state()[2]),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), None))
+    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class ClusterController:
+    """The simulated cluster and the outer loop.
+
+    resume: a verified checkpoint to continue from (node max batches, trainers, counters, RNGs come from
+    it; the memory probe does not run again, so every later decision is the same as in the first run).
+    stop: the SIGINT/SIGTERM request the loop turns into a checkpoint and a clean exit.
+    """
+
     def __init__(self, cfg: Config, model: torch.nn.Module, data: CorpusData, logger: TrainingLogger,
-                 weights_dir: Path) -> None:
+                 weights_dir: Path, resume: Checkpoint | None = None, stop: StopSignals | None = None) -> None:
         self.cfg, self.data, self.logger, self.weights_dir = cfg, data, logger, weights_dir
+        self.stop = stop or StopSignals()
         algo = TRAINERS[cfg.distributed_algo]
         make_optimizer = algo.inner_optimizer_factory(cfg)
         self.switch_mode = build_switch_mode(cfg.switch_mode)
@@ -112,9 +184,13 @@ class ClusterController:
                                            rampup_tokens=cfg.rampup_tokens or cfg.max_tokens)
         # micro_batches: each node's chunks form their own group, so drift between nodes is not noise
         self.pool_within_nodes = cfg.variance_estimator == "micro_batches"
+        self.injected = cfg.injected_faults()
+        resume_state = resume.resume_state() if resume is not None else None
         self.nodes: list[Node] = []
         for device in cfg.devices:
-            if cfg.max_batch_size:
+            if resume_state is not None:
+                max_batch = resume_state["nodes"][len(self.nodes)]["max_batch"]  # as decided in the first run
+            elif cfg.max_batch_size:
                 max_batch = cfg.max_batch_size
             else:
                 max_batch = find_max_batch_size(model, make_optimizer, device, cfg.seq_len,
@@ -127,13 +203,15 @@ class ClusterController:
                             data.train)
                 node.max_batch = max_batch
                 node.show_progress = cfg.inner_progress
+                node.stop = self.stop.event
                 self.nodes.append(node)
         log.info("nodes: %s", ", ".join(f"{n.node_id}@{n.device} (max batch {n.max_batch})" for n in self.nodes))
         initial = float_state(model)
         parameter_names = {n for n, _ in model.named_parameters()}
+        trainer_ids = resume.trainers if resume is not None else range(cfg.num_init_trainers)
         self.trainers: dict[int, Trainer] = {
             t: algo(t, initial, parameter_names, cfg, ShardSampler(len(data.train), cfg.training_seed * 1000 + t))
-            for t in range(cfg.num_init_trainers)}
+            for t in trainer_ids}
         self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
         # (trainer, weights version) each node holds; None = the common initial weights
         self.holds: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
@@ -144,7 +222,62 @@ class ClusterController:
         self.tokens_total = 0
         self.last_outer_step = 0
         self.best_seen: float | None = None  # best metric of any model evaluated during the run
+        self.initial_metric: float | None = None
+        self.wall_before = 0.0  # seconds trained before a resume
+        self.checkpointed_step: int | None = None  # the outer step of the last checkpoint written
+        if resume is not None:
+            for t, trainer in self.trainers.items():
+                try:
+                    trainer.load_state_dict(resume.trainer_state(t), resume.trainer_weights(t))
+                except (ValueError, KeyError, RuntimeError) as exc:
+                    raise UserError(f"--resume: {resume.path} does not fit this model ({exc})") from None
+            self.load_state_dict(resume_state)
+            self.checkpointed_step = resume.outer_step
 
+    # -------------------------------------------------------------------------------------------
+    # State: what a checkpoint holds besides the trainers (trainer_<t>_state.pt and the weights)
+
+    def _round_state(self) -> dict:
+        """What a round changes before its outer steps: restored when a round is abandoned or fails."""
+        return {"owner": dict(self.owner), "holds": dict(self.holds), "traffic": dataclasses.asdict(self.traffic),
+                "samplers": {t: tr.sampler.state_dict() for t, tr in self.trainers.items()},
+                "optimizers": [n.optimizer_state() for n in self.nodes], "rng": rng_state()}
+
+    def _restore_round(self, state: dict) -> None:
+        self.owner, self.holds = dict(state["owner"]), dict(state["holds"])
+        self.traffic = Traffic(**state["traffic"])
+        for t, sampler in state["samplers"].items():
+            if t in self.trainers:
+                self.trainers[t].sampler.load_state_dict(sampler)
+        for node, optimizer in zip(self.nodes, state["optimizers"]):
+            node.load_optimizer_state(optimizer)
+        set_rng_state(state["rng"])
+
+    def state_dict(self) -> dict:
+        return {**self._round_state(), "outer_step": self.last_outer_step, "tokens_total": self.tokens_total,
+                "best_seen": self.best_seen, "initial_metric": self.initial_metric,
+                "nodes": [{"max_batch": n.max_batch} for n in self.nodes], "logger": self.logger.counters(),
+                "wall_time": self.wall_before + (time.time() - self._start if hasattr(self, "_start") else 0.0)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["nodes"]) != len(self.nodes):
+            raise UserError(f"--resume: the checkpoint has {len(state['nodes'])} nodes, the config {len(self.nodes)}")
+        self._restore_round(state)
+        self.last_outer_step, self.tokens_total = int(state["outer_step"]), int(state["tokens_total"])
+        self.best_seen, self.initial_metric = state["best_seen"], state["initial_metric"]
+        self.logger.load_counters(state["logger"])
+        self.wall_before = float(state["wall_time"])
+
+    def save(self, label: str | None = None, final_id: int | None = None) -> Path:
+        """A checkpoint of the state after outer step last_outer_step."""
+        label = label or f"outer_step_{self.last_outer_step:04d}"
+        template = self.evaluator.model if final_id is not None else None
+        path = save_checkpoint(self.weights_dir, label, self.last_outer_step, self.trainers, self.state_dict(),
+                               self.cfg.meaning_hash(), template, self.data.tokenizer, final_id)
+        self.checkpointed_step = self.last_outer_step
+        return path
+
+    # -------------------------------------------------------------------------------------------
     def _seen(self, value: float) -> None:
         better = self.best_seen is None or (value > self.best_seen) == self.evaluator.higher_is_better
         if math.isfinite(value) and better:
@@ -161,7 +294,7 @@ class ClusterController:
         return GradientSamples(torch.cat(grads), torch.cat(sizes), torch.tensor(groups))
 
     # -------------------------------------------------------------------------------------------
-    def _jobs(self) -> list[NodeJob]:
+    def _jobs(self, outer_step: int) -> list[NodeJob]:
         cfg = self.cfg
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         assignment = assign_nodes(node_counts(requested, len(self.nodes)), self.owner)
@@ -179,20 +312,45 @@ class ClusterController:
                 indices = trainer.sampler.take(n).view(cfg.num_inner_steps, accumulation, loader_batch)
                 chunks = cfg.variance_micro_batches if cfg.variance_estimator == "micro_batches" else 1
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, chunks,
-                                    reset_optimizer=self.owner[node_id] != t))
+                                    reset_optimizer=self.owner[node_id] != t,
+                                    inject_fault=self.injected.get((outer_step, node_id), "")))
         for t, node_ids in assignment.items():
             for node_id in node_ids:
                 self.owner[node_id] = t
         return jobs
 
+    def _handle_faults(self, outer_step: int, faults: list[NodeFault], before: dict, any_result: bool) -> None:
+        """on_node_fault: stop -> back to the last good state and raise; skip -> log, reset the failed nodes."""
+        action = self.cfg.on_node_fault if any_result else "stop"
+        self.logger.log_faults([{"outer_step": outer_step, "trainer_id": f.trainer_id, "node_id": f.node_id,
+                                 "kind": f.kind, "action": action, "message": f.message} for f in faults])
+        first = faults[0]
+        where = f"outer step {outer_step}, trainer {first.trainer_id}, node {first.node_id}: {first.message}"
+        more = f" (and {len(faults) - 1} more node faults)" if len(faults) > 1 else ""
+        if action == "stop":
+            self._restore_round(before)
+            reason = "" if any_result or self.cfg.on_node_fault == "stop" else "every node failed; "
+            raise TrainingFault(f"node fault at {where}{more}; {reason}stopped (on_node_fault: stop)")
+        for f in faults:  # the node's inner state is whatever the failure left: back to the round's start
+            self.nodes[f.node_id].load_optimizer_state(before["optimizers"][f.node_id])
+        log.warning("node fault at %s%s; its contribution is dropped (on_node_fault: skip)", where, more)
+
     def run_outer_step(self, outer_step: int) -> list[dict]:
         """One round for every trainer, outer steps, evaluation, batch tests; returns the metric rows."""
-        jobs = self._jobs()
+        before = self._round_state()
+        jobs = self._jobs(outer_step)
         # (loader_batch, accumulation_steps) each node ran, read off its job's index tensor
         plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
         self.logger.memory.begin_round(outer_step)
-        results = self.backend.run_round(jobs)
-        self.logger.memory.end_round(outer_step)
+        try:
+            results, faults = self.backend.run_round(jobs)
+        except RoundAbandoned:
+            self._restore_round(before)
+            raise
+        finally:
+            self.logger.memory.end_round(outer_step)
+        if faults:
+            self._handle_faults(outer_step, faults, before, any_result=bool(results))
         self.logger.log_step_losses([
             {"outer_step": outer_step, "trainer_id": t, "node_id": node, "inner_step": i, "loss": f"{loss:.6g}",
              "micro_batch": plan[node][0], "accumulation_steps": plan[node][1], "learning_rate": res.learning_rate}
@@ -201,10 +359,27 @@ class ClusterController:
         self.traffic.rounds += 1
         self.tokens_total += sum(res.tokens for res in results.values())
         rows = []
-        for t in sorted(results):
-            trainer, res = self.trainers[t], results[t]
+        for t in sorted({j.trainer_id for j in jobs}):
+            trainer = self.trainers[t]
+            if t not in results:  # every node of this trainer failed: it keeps its weights this round
+                evaluation = self.evaluator.evaluate(trainer.master)
+                node_ids = [j.node_id for j in jobs if j.trainer_id == t]
+                loader_batch, accumulation = plan[node_ids[0]]
+                rows.append({"outer_step": outer_step, "trainer_id": t, "nodes": "", "num_nodes": 0,
+                             "requested_batch": trainer.requested_batch, "loader_batch": loader_batch,
+                             "accumulation_steps": accumulation, "optimizer_steps": trainer.stats.optimizer_steps,
+                             "tokens_seen": trainer.stats.tokens_seen, "global_tokens": self.tokens_total,
+                             "train_loss": math.nan, **evaluation.metrics,
+                             "next_requested_batch": trainer.requested_batch})
+                continue
+            res = results[t]
             requested_before = trainer.requested_batch
-            trainer.outer_step(res.node_mean)
+            try:
+                trainer.outer_step(res.node_mean)
+            except FloatingPointError as exc:  # earlier trainers already stepped: this state is not checkpointed
+                fault = TrainingFault(f"fault at outer step {outer_step}, trainer {t}: {exc}")
+                fault.state_is_good = False
+                raise fault from None
             self.traffic.trainer_sync(len(res.nodes), self.param_bytes)
             evaluation = self.evaluator.evaluate(trainer.master)
             self._seen(evaluation.value)
@@ -224,7 +399,6 @@ class ClusterController:
                 **evaluation.metrics,
                 "next_requested_batch": decision.requested_batch, **decision.stats})
         return rows
-
     def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
         """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
         if not self.merge_policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
@@ -255,39 +429,74 @@ class ClusterController:
                 "metric_after": after}
 
     # -------------------------------------------------------------------------------------------
+    def _stopped(self) -> RunStopped:
+        """The stop request turned into a checkpoint of the last complete outer step."""
+        path = self.weights_dir / f"outer_step_{self.last_outer_step:04d}"
+        if self.checkpointed_step != self.last_outer_step:
+            path = self.save()
+        log.warning("%s: stopped after outer step %d; checkpoint %s", self.stop.name, self.last_outer_step, path)
+        return RunStopped(self.stop.signum or 2, f"stopped by {self.stop.name} after outer step "
+                          f"{self.last_outer_step}; checkpoint {path}")
+
     def train(self) -> dict:
         cfg = self.cfg
-        start = time.time()
-        initial = self.evaluator.evaluate(next(iter(self.trainers.values())).master)
-        log.info("outer step 0: %s %.4g (all trainers start from the same weights)", initial.name, initial.value)
-        self.logger.log_initial(initial.metrics, list(self.trainers))
-        bar = tqdm(range(1, cfg.num_outer_steps + 1), desc="outer steps", unit="step", dynamic_ncols=True)
-        for outer_step in bar:
-            rows = self.run_outer_step(outer_step)
-            self.logger.memory.record("after_outer_step", outer_step)
-            merge_event = self.merge(outer_step, {r["trainer_id"]: r[self.evaluator.metric] for r in rows})
-            if merge_event:
-                self.logger.memory.record("after_merge", outer_step)
-            wall = time.time() - start
-            for row in rows:  # counters at the end of the outer step, its merge included
-                row.update(self.traffic.row(), wall_time=wall)
-            self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
-            log.info(self._step_line(outer_step, rows, merge_event))
-            best = self.best_seen if self.best_seen is not None else math.nan
-            bar.set_postfix(trainers=len(rows), **{self.evaluator.metric[4:]: f"{best:.4g}"},
-                            batch=max(r["next_requested_batch"] for r in rows))
-            if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 and outer_step < cfg.num_outer_steps:
-                save_checkpoint(self.weights_dir, f"outer_step_{outer_step:04d}", self.trainers)
-            if outer_step % cfg.plot_every == 0:
-                self.logger.plot(outer_step)
-            self.last_outer_step = outer_step
-            if cfg.max_tokens and self.tokens_total >= cfg.max_tokens:
-                log.info("token budget reached: %d >= max_tokens %d", self.tokens_total, cfg.max_tokens)
-                break
-        bar.close()
-        self.backend.close()
-        return self._finish(initial.value, time.time() - start)
-
+        self._start = time.time()
+        first_step = self.last_outer_step + 1
+        if self.initial_metric is None:
+            initial = self.evaluator.evaluate(next(iter(self.trainers.values())).master)
+            self.initial_metric = initial.value
+            log.info("outer step 0: %s %.4g (all trainers start from the same weights)", initial.name, initial.value)
+            self.logger.log_initial(initial.metrics, list(self.trainers))
+        else:
+            log.info("resuming after outer step %d of %d", self.last_outer_step, cfg.num_outer_steps)
+        budget_left = not (cfg.max_tokens and self.tokens_total >= cfg.max_tokens)
+        steps = range(first_step, cfg.num_outer_steps + 1) if budget_left else range(0)
+        bar = tqdm(steps, desc="outer steps", unit="step", dynamic_ncols=True, initial=first_step - 1,
+                   total=cfg.num_outer_steps)
+        self.stop.can_checkpoint = True
+        try:
+            for outer_step in bar:
+                if self.stop.requested:
+                    raise self._stopped()
+                try:
+                    rows = self.run_outer_step(outer_step)
+                except RoundAbandoned:
+                    raise self._stopped() from None
+                except TrainingFault as fault:
+                    if not getattr(fault, "state_is_good", True):
+                        raise TrainingFault(f"{fault}; the last checkpoint in {self.weights_dir} is intact") from None
+                    path = self.save() if self.checkpointed_step != self.last_outer_step else None
+                    where = path or self.weights_dir / f"outer_step_{self.last_outer_step:04d}"
+                    raise TrainingFault(f"{fault}; the state after outer step {self.last_outer_step} is in "
+                                        f"{where}") from None
+                self.logger.memory.record("after_outer_step", outer_step)
+                merge_event = self.merge(outer_step, {r["trainer_id"]: r[self.evaluator.metric] for r in rows})
+                if merge_event:
+                    self.logger.memory.record("after_merge", outer_step)
+                wall = self.wall_before + time.time() - self._start
+                for row in rows:  # counters at the end of the outer step, its merge included
+                    row.update(self.traffic.row(), wall_time=wall)
+                self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
+                log.info(self._step_line(outer_step, rows, merge_event))
+                best = self.best_seen if self.best_seen is not None else math.nan
+                bar.set_postfix(trainers=len(rows), **{self.evaluator.metric[4:]: f"{best:.4g}"},
+                                batch=max(r["next_requested_batch"] for r in rows))
+                self.last_outer_step = outer_step
+                if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 \
+                        and outer_step < cfg.num_outer_steps:
+                    self.save()
+                if outer_step % cfg.plot_every == 0:
+                    self.logger.plot(outer_step)
+                if cfg.max_tokens and self.tokens_total >= cfg.max_tokens:
+                    log.info("token budget reached: %d >= max_tokens %d", self.tokens_total, cfg.max_tokens)
+                    break
+            if self.stop.requested:
+                raise self._stopped()
+        finally:
+            bar.close()
+            self.backend.close()
+        # A signal from here on only sets the flag: the final checkpoint is short and completes the run.
+        return self._finish(self.initial_metric, self.wall_before + time.time() - self._start)
     def _step_line(self, outer_step: int, rows: list[dict], merge_event: dict | None) -> str:
         metric = self.evaluator.metric
         parts = [f"[outer {outer_step}/{self.cfg.num_outer_steps}] trainers {len(rows)}"]
@@ -307,7 +516,7 @@ class ClusterController:
         sign = -1 if self.evaluator.higher_is_better else 1
         final_id = min(scores, key=lambda t: (sign * scores[t], t))
         final = self.trainers[final_id]
-        save_checkpoint(self.weights_dir, "final", self.trainers, self.evaluator.model, self.data.tokenizer, final_id)
+        self.save("final", final_id)
         self.logger.plot(self.last_outer_step)
         summary = {
             "metric": self.evaluator.metric, "initial_metric": initial_metric, "final_trainer": final_id,

@@ -1,7 +1,13 @@
 """Train AdLoCo: `python run.py [--config config.yaml] [key=value ...]`.
 
-Reads the config (validated once), prepares data and the initial model, builds the simulated
-cluster, runs the outer loop and leaves everything in logs/<model>_<dataset>_<date>/.
+Reads the config (validated once), checks devices and paths, prepares data and the initial model,
+builds the simulated cluster, runs the outer loop and leaves everything in logs/<model>_<dataset>_<date>/.
+
+    python run.py --resume RUN_DIR [key=value ...]
+
+continues a stopped run from its latest complete checkpoint, in the same run directory; only keys that
+do not change what is computed may be given (num_outer_steps to extend it, logging, fault handling).
+SIGINT / SIGTERM stop a run cleanly: a checkpoint of the last complete outer step, exit 130 / 143.
 """
 
 from __future__ import annotations
@@ -11,24 +17,28 @@ import json
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 import yaml
 
-from utils.config import Config, load_config
-from utils.errors import UserError, exit_code_of
+from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
+from utils.errors import ConfigError, RunStopped, UserError
 
 log = logging.getLogger("run")
+TRACKER_CLOSE_TIMEOUT_S = 15.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="config.yaml", help="YAML config (default: config.yaml)")
+    parser.add_argument("--config", default=None, help="YAML config (default: config.yaml)")
+    parser.add_argument("--resume", metavar="RUN_DIR", default=None,
+                        help="continue the run in RUN_DIR from its latest complete checkpoint")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. num_outer_steps=5 lr_outer=0.7")
     return parser.parse_args(argv)
 
 
-def build_tracker(cfg: Config, run_dir: Path):
+def build_tracker(cfg: Config, run_dir: Path, resume_step: int | None = None):
     """metrics.jsonl always; ClearML unless clearml_mode: off; TensorBoard when asked."""
     from training_logs.trackers import JsonlTracker, TensorBoardTracker, TrackerGroup
 
@@ -37,50 +47,194 @@ def build_tracker(cfg: Config, run_dir: Path):
         from training_logs.clearml_tracker import ClearMLTracker
 
         trackers.append(ClearMLTracker(cfg.project_name, cfg.task_name, cfg.to_dict(), cfg.clearml_mode,
-                                       cfg.clearml_timeout_s))
+                                       cfg.clearml_timeout_s, run_dir, resume_step))
     if cfg.tensorboard:
-        trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+        purge = resume_step + 1 if resume_step is not None else None
+        trackers.append(TensorBoardTracker(run_dir / "tensorboard", purge_step=purge))
     return TrackerGroup(trackers)
 
 
-def train(cfg: Config) -> tuple[Path, dict]:
+# ----------------------------------------------------------------------------------------------
+# Before any data work: devices, model limits
+
+
+def check_devices(cfg: Config) -> None:
+    import torch
+
+    for device in cfg.devices:
+        if not device.startswith("cuda"):
+            continue
+        if not torch.cuda.is_available():
+            raise ConfigError("devices", f"'{device}' needs CUDA, which this torch ({torch.__version__}) cannot use "
+                              "here; use devices: [cpu, cpu]")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError("devices", f"'{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_model_limits(cfg: Config) -> None:
+    """seq_len within the model's positions, read from the preset or a local config.json (no weights loaded)."""
+    from fabrics.models import load_preset, preset_names
+
+    name = cfg.model_config.name
+    if name in preset_names():
+        config = load_preset(name).to_dict()
+    elif (Path(name).expanduser() / "config.json").is_file():
+        try:
+            config = json.loads((Path(name).expanduser() / "config.json").read_text())
+        except ValueError:
+            raise UserError(f"model_config.name: {name}/config.json is not valid JSON") from None
+    else:
+        return  # a Hub id: checked once the model is loaded
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and cfg.seq_len > limit:
+        raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
+
+
+# ----------------------------------------------------------------------------------------------
+# --resume
+
+
+def resume_config(run_dir: Path, overrides: list[str], config_arg: str | None):
+    """The run's own config with the allowed overrides, and its latest complete checkpoint."""
+    from utils.checkpoint import latest_checkpoint
+
+    if config_arg is not None:
+        raise UserError("--config: a resumed run uses RUN_DIR/config.yaml; give changes as key=value")
+    if not run_dir.is_dir():
+        raise UserError(f"--resume: {run_dir} is not a directory")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"--resume: {run_dir} has no config.yaml; is it a run directory?")
+    fixed = sorted(k for k in parse_overrides(overrides) if k not in RESUME_MAY_CHANGE)
+    pinned = sorted(k for k in parse_overrides(overrides) if k in ("run_name", "log_dir", "log_file"))
+    if fixed:
+        raise ConfigError(fixed[0], "cannot change when resuming: it would change what the run computes "
+                          f"(allowed: {', '.join(sorted(RESUME_MAY_CHANGE - {'run_name', 'log_dir', 'log_file'}))})")
+    if pinned:
+        raise ConfigError(pinned[0], "cannot change when resuming: the run directory is given by --resume")
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    checkpoint = latest_checkpoint(run_dir / "model_weights", cfg.meaning_hash())
+    return cfg, checkpoint
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class RunLock:
+    """run.lock holds the pid of the process using a run directory; a live holder blocks a second one."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "run.lock"
+
+    def holder(self) -> int | None:
+        try:
+            pid = int(self.path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+
+    def acquire(self) -> None:
+        pid = self.holder()
+        if pid is not None:
+            raise UserError(f"run directory {self.path.parent} is in use by process {pid}")
+        self.path.write_text(str(os.getpid()))
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _close_within(action, seconds: float, what: str) -> None:
+    """Trackers can hang (a ClearML upload); a stop must still end in time."""
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            action()
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="close", daemon=True).start()
+    if not done.wait(seconds):
+        log.warning("%s did not close within %.0f s; exiting without waiting", what, seconds)
+
+
+def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> tuple[Path, dict]:
+    """Train from scratch, or continue `resume` = (run directory, checkpoint). Returns (run_dir, summary)."""
+    check_devices(cfg)
+    check_model_limits(cfg)
     # Heavy imports after validation, so config errors come back instantly.
     from cluster import ClusterController
     from fabrics.dataset_loader import load_corpus
     from fabrics.models import build_model, count_parameters
     from training_logs.memory_monitor import MemoryMonitor
-    from training_logs.training_monitoring import TrainingLogger
+    from training_logs.training_monitoring import TrainingLogger, cut_jsonl
+    from utils.checkpoint import write_atomic
+    from utils.signals import StopSignals
     from utils.utils import make_run_dir, set_seeds, setup_logging
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    stop = stop or StopSignals()
+    checkpoint = None
+    if resume is not None:
+        run_dir, checkpoint = resume
+    else:
         run_dir = make_run_dir(cfg.log_dir, cfg.run_name, cfg.model_config.name, cfg.dataset)
-    except FileExistsError as exc:
-        raise UserError(f"run_name: {exc}") from None
-    setup_logging(run_dir / cfg.log_file)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    log.info("run directory: %s", run_dir)
-    for warning in cfg.warnings():
-        log.warning("config: %s", warning)
-    set_seeds(cfg.training_seed)
-    data = load_corpus(cfg)
-    log.info("data: %s", data.description)
-    model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
-    log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
-             count_parameters(model) / 1e6)
-    report_dir = run_dir / "model_training_report"
-    tracker = build_tracker(cfg, run_dir)
-    classification = data.val.labels is not None
-    memory = MemoryMonitor(run_dir / "memory_report", cfg.devices, tracker, cfg.memory_sample_interval_s)
-    logger = TrainingLogger(report_dir, tracker, memory, "val_accuracy" if classification else "val_perplexity",
-                            classification)
+    lock = RunLock(run_dir)
+    lock.acquire()
+    logger = None
+    stop.install()
     try:
-        cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights")
+        setup_logging(run_dir / cfg.log_file)
+        write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        resume_step = checkpoint.outer_step if checkpoint is not None else None
+        if checkpoint is not None:
+            log.info("resuming %s from %s (after outer step %d)", run_dir, checkpoint.path, resume_step)
+            cut_jsonl(run_dir / "metrics.jsonl", resume_step)
+        else:
+            log.info("run directory: %s", run_dir)
+        for warning in cfg.warnings():
+            log.warning("config: %s", warning)
+        set_seeds(cfg.training_seed)
+        data = load_corpus(cfg)
+        log.info("data: %s", data.description)
+        model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
+        log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
+                 count_parameters(model) / 1e6)
+        report_dir = run_dir / "model_training_report"
+        tracker = build_tracker(cfg, run_dir, resume_step)
+        stop.install()  # again: ClearML's Task.init installs handlers of its own that swallow SIGTERM
+        classification = data.val.labels is not None
+        memory = MemoryMonitor(run_dir / "memory_report", cfg.devices, tracker, cfg.memory_sample_interval_s,
+                               resume_step)
+        logger = TrainingLogger(report_dir, tracker, memory, "val_accuracy" if classification else "val_perplexity",
+                                classification, resume_step)
+        cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights", checkpoint, stop)
         summary = cluster.train()
         logger.finish(summary)
+    except RunStopped as exc:
+        exc.run_dir = run_dir
+        log.warning("%s; resume with: python run.py --resume %s", exc, run_dir)
+        raise
+    except UserError as exc:
+        log.error("%s", exc)  # the run's own log says why it ended
+        raise
+    except Exception:
+        log.exception("run failed")
+        raise
     finally:
-        logger.close()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if logger is not None:
+            _close_within(logger.close, TRACKER_CLOSE_TIMEOUT_S, "the trackers")
+        lock.release()
+        stop.uninstall()
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     log.info("final model: trainer %d, %s %.4g (start %.4g); %d merges, %d batch increases, "
              "accumulation used: %s; %d rounds, %d syncs, %.1f MB communicated; %.0f s", summary["final_trainer"],
              summary["metric"], summary["final_metric"], summary["initial_metric"], summary["merges"],
@@ -91,13 +245,53 @@ def train(cfg: Config) -> tuple[Path, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input, 3 training fault, 1 unexpected error, 130 / 143 stopped by a signal."""
+    from utils.signals import StopRequested, StopSignals
+
     args = parse_args(argv)
+    stop = StopSignals()
     try:
-        return exit_code_of(lambda: train(load_config(args.config, args.overrides)))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        if args.resume:
+            run_dir = Path(args.resume).expanduser()
+            cfg, checkpoint = resume_config(run_dir, args.overrides, args.config)
+            train(cfg, (run_dir, checkpoint), stop)
+        else:
+            train(load_config(args.config or "config.yaml", args.overrides), None, stop)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except RunStopped as exc:
+        print(f"{exc}; resume with: python run.py --resume {getattr(exc, 'run_dir', 'RUN_DIR')}", file=sys.stderr)
+        return exc.exit_code
+    except (StopRequested, KeyboardInterrupt) as exc:
+        signum = getattr(exc, "signum", 2)
+        print(f"stopped by {stop.name if stop.signum else 'SIGINT'} before training started; nothing to resume",
+              file=sys.stderr)
+        return 128 + signum
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"error: cannot write or read{where} ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a bug: one line here, the traceback in the run's log
+        where = _log_path()
+        print(f"error: internal error ({type(exc).__name__}: {str(exc)[:200]})"
+              + (f"; traceback in {where}" if where else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _log_path() -> str | None:
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return handler.baseFilename
+    return None
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code >= 128:  # stopped by a signal: nothing left to wait for (tracker threads, atexit hooks)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -13,6 +13,7 @@ moments describe another model's trajectory.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,15 @@ class NodeJob:
     sample_indices: torch.Tensor  # [num_inner_steps, accumulation_steps, loader_batch]
     grad_chunks: int  # 0: no gradient samples; 1: the last step's gradient; k >= 2: k micro-batch gradients
     reset_optimizer: bool
+    inject_fault: str = ""  # testing aid (config inject_fault): "nan" or "error"
+
+
+class RoundAbandoned(Exception):
+    """A stop was requested (SIGINT/SIGTERM): the node left its round between two inner steps."""
+
+
+class InjectedFault(RuntimeError):
+    """The fault that config inject_fault asked for."""
 
 
 @dataclass
@@ -57,6 +67,23 @@ class Node:
         self.optimizer: torch.optim.Optimizer | None = None
         self.max_batch = 0
         self.show_progress = False  # an inner-step progress bar (config inner_progress)
+        self.stop = threading.Event()  # set by a stop request: leave the round at the next inner step
+
+    def optimizer_state(self) -> dict | None:
+        """A copy of the inner optimizer's state on the CPU (None before the node's first round)."""
+        if self.optimizer is None:
+            return None
+        state = self.optimizer.state_dict()
+        return {"state": {i: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                              for k, v in s.items()} for i, s in state["state"].items()},
+                "param_groups": state["param_groups"]}
+
+    def load_optimizer_state(self, state: dict | None) -> None:
+        if state is None:
+            self.optimizer = None
+            return
+        self.optimizer = self.make_optimizer(self.params)
+        self.optimizer.load_state_dict(state)
 
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
         ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
@@ -94,6 +121,8 @@ class Node:
         return torch.stack(losses).sum(), torch.stack(samples), sizes
 
     def run(self, job: NodeJob) -> NodeResult:
+        if job.inject_fault == "error":
+            raise InjectedFault(f"inject_fault: error on node {self.node_id}")
         if job.reset_optimizer or self.optimizer is None:
             self.optimizer = self.make_optimizer(self.params)
         load_float_state(self.model, job.master)
@@ -102,6 +131,8 @@ class Node:
         losses, grad_samples, sample_batches = [], None, None
         bar = tqdm(total=steps, desc=f"node {self.node_id}", leave=False, position=1) if self.show_progress else None
         for step in range(steps):
+            if self.stop.is_set():
+                raise RoundAbandoned(f"node {self.node_id} stopped before inner step {step}")
             idx = job.sample_indices[step]
             if step == steps - 1 and job.grad_chunks >= 2:
                 loss, grad_samples, sample_batches = self._last_step_with_samples(idx, job.grad_chunks)
@@ -110,6 +141,11 @@ class Node:
                 if step == steps - 1 and job.grad_chunks == 1:
                     grad_samples = self._flat_grad().float().cpu()[None]
                     sample_batches = torch.tensor([float(idx.numel())], dtype=torch.float64)
+            if job.inject_fault == "nan" and step == 0:
+                for p in self.params:  # as a diverging step would: the weights turn NaN, the loss reports it
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+                loss = loss * float("nan")
             losses.append(loss)
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
@@ -169,6 +205,20 @@ class Trainer:
         return {"trainer_id": self.trainer_id, "algorithm": self.algorithm, "requested_batch": self.requested_batch,
                 "sampler": self.sampler.state_dict(), "stats": dict(vars(self.stats)),
                 "weights_version": self.weights_version}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, weights: dict[str, torch.Tensor]) -> None:
+        """Back to a checkpointed state: master weights copied in place, then the rest."""
+        if state["algorithm"] != self.algorithm:
+            raise ValueError(f"trainer {self.trainer_id} was a {state['algorithm']} trainer, not {self.algorithm}")
+        if set(weights) != set(self.master):
+            raise ValueError(f"trainer {self.trainer_id}: the checkpoint's tensors do not match the model")
+        for name, value in weights.items():
+            self.master[name].copy_(value)
+        self.requested_batch = int(state["requested_batch"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.stats = TrainerStats(**state["stats"])
+        self.weights_version = int(state["weights_version"])
 
 
 class LocalSGDTrainer(Trainer):
@@ -251,6 +301,10 @@ class DiLoCoTrainer(Trainer):
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "outer_optimizer": self.outer_optimizer.state_dict()}
+
+    def load_state_dict(self, state, weights):
+        super().load_state_dict(state, weights)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
 
 TRAINERS = {cls.algorithm: cls for cls in (LocalSGDTrainer, DiLoCoTrainer)}

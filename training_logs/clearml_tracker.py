@@ -9,6 +9,7 @@ resource hooks are off, so nothing is reported twice.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -36,14 +37,25 @@ def clearml_credentials() -> str | None:
     return None
 
 
-def server_reachable(api: str, timeout_s: float) -> bool:
+def server_problem(api: str, timeout_s: float) -> str | None:
+    """None when a ClearML API server answers at `api`, else what is wrong, in words."""
     import requests
 
+    url = api.rstrip("/") + "/debug.ping"
     try:
-        requests.get(api.rstrip("/") + "/debug.ping", timeout=timeout_s)
-        return True  # any HTTP answer (even 401) means a server is there
-    except requests.RequestException:
-        return False
+        response = requests.get(url, timeout=timeout_s)
+    except requests.Timeout:
+        return f"did not answer within {timeout_s:g} s"
+    except requests.RequestException as exc:
+        reason = "refused the connection" if isinstance(exc, requests.ConnectionError) else type(exc).__name__
+        return f"could not be reached ({reason})"
+    try:  # any ClearML answer (even 401) is JSON with a "meta" section; a web page or another API is not
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict) or "meta" not in body:
+        return f"answered HTTP {response.status_code}, but is not a ClearML API server"
+    return None
 
 
 def resolve_mode(mode: str, timeout_s: float) -> str:
@@ -57,32 +69,68 @@ def resolve_mode(mode: str, timeout_s: float) -> str:
         if mode == "online":
             log.warning("ClearML: no credentials configured (run clearml-init); using an offline session")
         return "offline"
-    if not server_reachable(api, timeout_s):
-        log.warning("ClearML: server %s did not answer within %.0f s; using an offline session", api, timeout_s)
+    problem = server_problem(api, timeout_s)
+    if problem:
+        log.warning("ClearML: server %s %s; using an offline session", api, problem)
         return "offline"
     return "online"
 
 
+def _read_record(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):
+        return {}
+
+
 class ClearMLTracker(Tracker):
-    def __init__(self, project: str, task_name: str, config: dict[str, Any], mode: str, timeout_s: float) -> None:
+    """run_dir/clearml_task.json remembers the task, so a resumed run continues it (online) or says
+    in a new offline session which run and step it continues."""
+
+    def __init__(self, project: str, task_name: str, config: dict[str, Any], mode: str, timeout_s: float,
+                 run_dir: Path | None = None, resume_step: int | None = None) -> None:
         from clearml import Task
 
         self.mode = resolve_mode(mode, timeout_s)
-        if self.mode == "offline":
-            Task.set_offline(True)
-        # No framework hooks (they would report our scalars twice). Repository and package detection
-        # only online: offline it would scan packages in the background while training runs.
-        frameworks = {name: False for name in FRAMEWORK_HOOKS}
-        frameworks["detect_repository"] = self.mode == "online"
-        self.task = Task.init(project_name=project, task_name=task_name, reuse_last_task_id=False,
-                              auto_connect_frameworks=frameworks, auto_resource_monitoring=False,
-                              auto_connect_streams=False, auto_connect_arg_parser=False)
+        record = run_dir / "clearml_task.json" if run_dir is not None else None
+        previous = _read_record(record) if resume_step is not None else {}
+        continue_id = previous.get("task_id") if self.mode == "online" and previous.get("mode") == "online" else None
+        try:
+            self.task = self._init(Task, project, task_name, continue_id)
+        except Exception as exc:  # a server that accepted the ping can still refuse the login
+            if self.mode == "offline":
+                raise
+            log.warning("ClearML: online session failed (%s: %s); using an offline session", type(exc).__name__,
+                        str(exc).splitlines()[0][:120] if str(exc) else "")
+            self.mode, continue_id = "offline", None
+            self.task = self._init(Task, project, task_name, None)
         self.task.connect(config, name="config")
+        if resume_step is not None and continue_id is None:
+            note = f"continues run {run_dir} after outer step {resume_step}"
+            if previous.get("task_id"):
+                note += f" (ClearML task {previous['task_id']})"
+            self.task.set_comment(note)
+            self.task.add_tags(["resumed"])
+            log.info("ClearML: new session; %s", note)
+        if record is not None:
+            record.write_text(json.dumps({"task_id": self.task.id, "mode": self.mode,
+                                          "continues": previous.get("task_id")}))
         self.logger = self.task.get_logger()
         if self.mode == "online":
             log.info("ClearML: %s", self.task.get_output_log_web_page())
         else:
             log.info("ClearML: offline session in %s", self.task.get_offline_mode_folder())
+
+    def _init(self, task_class, project: str, task_name: str, continue_id: str | None):
+        task_class.set_offline(self.mode == "offline")
+        # No framework hooks (they would report our scalars twice). Repository and package detection
+        # only online: offline it would scan packages in the background while training runs.
+        frameworks = {name: False for name in FRAMEWORK_HOOKS}
+        frameworks["detect_repository"] = self.mode == "online"
+        return task_class.init(project_name=project, task_name=task_name, reuse_last_task_id=False,
+                               continue_last_task=continue_id or False, auto_connect_frameworks=frameworks,
+                               auto_resource_monitoring=False, auto_connect_streams=False,
+                               auto_connect_arg_parser=False)
 
     def log(self, metrics, step):
         for key, value in metrics.items():

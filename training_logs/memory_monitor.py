@@ -21,7 +21,8 @@ STAGES = ("before_round", "round_peak", "after_outer_step", "after_merge")
 
 
 class MemoryMonitor:
-    def __init__(self, out_dir: Path, devices: list[str], tracker: Tracker, interval_s: float = 0.05) -> None:
+    def __init__(self, out_dir: Path, devices: list[str], tracker: Tracker, interval_s: float = 0.05,
+                 resume_step: int | None = None) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir, self.tracker, self.interval_s = out_dir, tracker, interval_s
         self.cuda_devices = sorted({d for d in devices if d.startswith("cuda")}) if torch.cuda.is_available() else []
@@ -30,9 +31,13 @@ class MemoryMonitor:
         self.columns = ["outer_step", "stage", "process_rss_mib", "system_used_mib", "system_available_mib"]
         for d in self.cuda_devices:
             self.columns += [f"{d}_allocated_mib", f"{d}_reserved_mib", f"{d}_peak_mib"]
-        with self.csv_path.open("w", newline="") as f:
-            csv.writer(f).writerow(self.columns)
-        self.rows: list[dict] = []
+        from training_logs.training_monitoring import start_csv
+
+        start_csv(self.csv_path, self.columns, resume_step)
+        with self.csv_path.open(newline="") as f:  # the rows kept on a resume, for the plot
+            self.rows: list[dict] = [{k: (v if k == "stage" else int(v) if k == "outer_step" else float(v))
+                                      for k, v in row.items()}
+                                     for row in csv.DictReader(f)]
         self._peak_rss = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

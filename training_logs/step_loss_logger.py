@@ -15,13 +15,14 @@ COLUMNS = ["outer_step", "trainer_id", "node_id", "inner_step", "loss", "micro_b
 
 
 class StepLossLogger:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+        from training_logs.training_monitoring import start_csv
+
         self.path = path
         self._lock = threading.Lock()
-        self._file = path.open("w", newline="")
+        start_csv(path, COLUMNS, resume_step)
+        self._file = path.open("a", newline="")
         self._writer = csv.writer(self._file)
-        self._writer.writerow(COLUMNS)
-        self._file.flush()
 
     def log(self, rows: list[dict]) -> None:
         with self._lock:

@@ -60,10 +60,11 @@ class JsonlTracker(Tracker):
 class TensorBoardTracker(Tracker):
     """The same scalars as TensorBoard event files (tag = the metric key), for users without ClearML."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step (a resume): TensorBoard hides the interrupted run's events from this step on
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         self.log_dir = log_dir
 
     def log(self, metrics, step):

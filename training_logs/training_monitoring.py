@@ -1,11 +1,17 @@
 """Everything a run records: training_log.csv (one row per trainer per outer step), merge_events.csv,
-step_loss_log.csv, the memory monitor, the trackers and the plots. CSV writes go through locks, so
-concurrent callers never interleave.
+step_loss_log.csv, fault_events.csv, the memory monitor, the trackers and the plots. CSV writes go
+through locks, so concurrent callers never interleave.
+
+On a resume (resume_step = the checkpoint's outer step) every file keeps its rows up to that step and
+new rows are appended: rows written after the checkpoint by the interrupted run are dropped, so the
+files read as if the run had never stopped.
 """
 
 from __future__ import annotations
 
 import csv
+import json
+import os
 import threading
 from pathlib import Path
 
@@ -23,27 +29,77 @@ COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", 
 # metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
 MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes", "metric",
                  "metric_before", "metric_weighted_before", "metric_after"]
+FAULT_COLUMNS = ["outer_step", "trainer_id", "node_id", "kind", "action", "message"]
 TRAFFIC = tuple(Traffic().row())  # the traffic counters (algorithms/traffic.py), all in COLUMNS
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
            "accumulation_steps", "num_nodes", "tokens_seen")
 
 
+def start_csv(path: Path, columns: list[str], resume_step: int | None) -> None:
+    """A new CSV with its header, or (resume) the existing one cut back to rows of outer steps <= resume_step."""
+    kept: list[list[str]] = []
+    if resume_step is not None and path.is_file():
+        with path.open(newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header == columns:
+                kept = [row for row in reader if row and row[0].isdigit() and int(row[0]) <= resume_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        writer.writerows(kept)
+    os.replace(tmp, path)
+
+
+def cut_jsonl(path: Path, resume_step: int) -> None:
+    """metrics.jsonl without the records of steps after resume_step (and without a torn last line)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= resume_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class TrainingLogger:
     def __init__(self, report_dir: Path, tracker: Tracker, memory: MemoryMonitor, metric: str = "val_perplexity",
-                 higher_is_better: bool = False) -> None:
+                 higher_is_better: bool = False, resume_step: int | None = None) -> None:
         report_dir.mkdir(parents=True, exist_ok=True)
         self.report_dir, self.tracker, self.memory = report_dir, tracker, memory
         self.metric, self.higher_is_better = metric, higher_is_better
         self.csv_path = report_dir / "training_log.csv"
         self.merge_path = report_dir / "merge_events.csv"
-        self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv")
+        self.fault_path = report_dir / "fault_events.csv"
         self._lock = threading.Lock()
-        for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
-            with path.open("w", newline="") as f:
-                csv.writer(f).writerow(columns)
+        for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS),
+                              (self.fault_path, FAULT_COLUMNS)):
+            start_csv(path, columns, resume_step)
+        self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv", resume_step)
         self.merges = 0
         self.batch_increases = 0
         self.accumulation_used = False
+        self.faults = 0
+
+    def counters(self) -> dict:
+        return {"merges": self.merges, "batch_increases": self.batch_increases,
+                "accumulation_used": self.accumulation_used, "faults": self.faults}
+
+    def load_counters(self, state: dict) -> None:
+        self.merges, self.batch_increases = int(state["merges"]), int(state["batch_increases"])
+        self.accumulation_used, self.faults = bool(state["accumulation_used"]), int(state["faults"])
+
+    def log_faults(self, rows: list[dict]) -> None:
+        with self._lock:
+            self._append(self.fault_path, FAULT_COLUMNS, rows)
+            self.faults += len(rows)
+        self.tracker.log({"global/node_faults": float(self.faults)}, rows[0]["outer_step"])
 
     def _append(self, path: Path, columns: list[str], rows: list[dict]) -> None:
         with path.open("a", newline="") as f:
@@ -109,7 +165,7 @@ class TrainingLogger:
 
     def finish(self, summary: dict) -> None:
         """Final artifacts: the CSV files and the summary."""
-        for path in (self.csv_path, self.merge_path, self.step_losses.path, self.memory.csv_path):
+        for path in (self.csv_path, self.merge_path, self.fault_path, self.step_losses.path, self.memory.csv_path):
             self.tracker.log_artifact(path.name, path)
         self.tracker.log_artifact("summary", summary)
 

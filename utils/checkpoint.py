@@ -1,16 +1,31 @@
-"""Checkpoints: per-trainer fp32 weights (safetensors) and state, plus the final model as a
-Hugging Face directory that `LlamaForCausalLM.from_pretrained` opens directly.
+"""Checkpoints: everything that decides a run's future, written atomically and verified on resume.
 
-Each checkpoint is written to a temporary directory and renamed at the end, so an interrupted save
-never leaves a half-written checkpoint behind.
+    model_weights/<label>/                  label = outer_step_NNNN (periodic or on a stop) or final
+        trainer_<t>.safetensors             each surviving trainer's fp32 master weights
+        trainer_<t>_state.pt                its requested batch, sampler, counters, outer optimizer
+        resume_state.pt                     the cluster: node inner optimizers and owners, counters, RNGs
+        metadata.json                       label, trainers, final trainer
+        final_model/                        (final only) the chosen model as a Hugging Face directory
+        manifest.json                       written last: outer step, config hash, size + sha256 of each file
+
+A checkpoint is written into `.<label>.tmp`, every file flushed to disk, the directory renamed into
+place, and only then the manifest written (itself through a temporary file and a rename). A checkpoint
+without a manifest is incomplete and never loaded; an interrupted or failed write leaves the previous
+checkpoint as it was and removes its temporary directory.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,27 +33,202 @@ from safetensors.torch import load_file, save_file
 from fabrics.models import load_float_state
 from utils.errors import UserError
 
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+RESUME_STATE = "resume_state.pt"
+FORMAT = 2
 
-def save_checkpoint(weights_dir: Path, label: str, trainers: dict, template: torch.nn.Module | None = None,
-                    tokenizer=None, final_id: int | None = None) -> Path:
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, no permission); the previous one is intact."""
+
+
+@dataclass
+class Checkpoint:
+    """A complete, verified checkpoint directory."""
+
+    path: Path
+    outer_step: int
+    manifest: dict[str, Any]
+
+    def trainer_weights(self, trainer_id: int) -> dict[str, torch.Tensor]:
+        return load_trainer_weights(self.path / f"trainer_{trainer_id}.safetensors")
+
+    def trainer_state(self, trainer_id: int) -> dict[str, Any]:
+        return _torch_load(self.path / f"trainer_{trainer_id}_state.pt")
+
+    def resume_state(self) -> dict[str, Any]:
+        return _torch_load(self.path / RESUME_STATE)
+
+    @property
+    def trainers(self) -> list[int]:
+        return list(self.manifest["trainers"])
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for damaged files
+        raise UserError(f"checkpoint: {path} is not readable ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - some filesystems do not open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` all at once: readers see the old or the new file, never a part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def remove_stray_temporaries(weights_dir: Path) -> None:
+    """Leftovers of a write that was killed (kill -9, power loss): never complete, safe to delete."""
+    if weights_dir.is_dir():
+        for stray in weights_dir.glob(".*.tmp"):
+            shutil.rmtree(stray, ignore_errors=True) if stray.is_dir() else stray.unlink(missing_ok=True)
+        for stray in weights_dir.glob(".*.old"):
+            target = weights_dir / stray.name[1:-len(".old")]
+            if (target / MANIFEST).is_file():
+                shutil.rmtree(stray, ignore_errors=True)
+            else:  # killed between the two renames: the previous checkpoint goes back in place
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(stray, target)
+
+
+def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: dict, resume_state: dict | None,
+                    config_hash: str, template: torch.nn.Module | None = None, tokenizer=None,
+                    final_id: int | None = None) -> Path:
+    """Write a complete checkpoint atomically; a CheckpointWriteError (previous one intact) if it cannot."""
     target = weights_dir / label
     tmp = weights_dir / f".{label}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for t, trainer in trainers.items():
-        save_file({k: v.detach().contiguous() for k, v in trainer.master.items()}, tmp / f"trainer_{t}.safetensors")
-        torch.save(trainer.state_dict(), tmp / f"trainer_{t}_state.pt")
-    meta = {"label": label, "trainers": sorted(trainers), "final_trainer": final_id}
-    if final_id is not None and template is not None:
-        load_float_state(template, trainers[final_id].master)
-        template.save_pretrained(tmp / "final_model")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "final_model")
-    (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    old = weights_dir / f".{label}.old"
+    try:
+        weights_dir.mkdir(parents=True, exist_ok=True)
+        remove_stray_temporaries(weights_dir)
+        tmp.mkdir()
+        for t, trainer in trainers.items():
+            save_file({k: v.detach().contiguous() for k, v in trainer.master.items()},
+                      tmp / f"trainer_{t}.safetensors")
+            torch.save(trainer.state_dict(), tmp / f"trainer_{t}_state.pt")
+        if resume_state is not None:
+            torch.save(resume_state, tmp / RESUME_STATE)
+        if final_id is not None and template is not None:
+            load_float_state(template, trainers[final_id].master)
+            template.save_pretrained(tmp / "final_model")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "final_model")
+        meta = {"label": label, "outer_step": outer_step, "trainers": sorted(trainers), "final_trainer": final_id}
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
+        _fsync_tree(tmp)
+        files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        if target.exists():
+            os.replace(target, old)  # kept until the new one is in place
+        os.replace(tmp, target)
+        manifest = {"format": FORMAT, "complete": True, "label": label, "outer_step": outer_step,
+                    "config_hash": config_hash, "trainers": sorted(trainers), "resumable": resume_state is not None,
+                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+        write_atomic(target / MANIFEST, json.dumps(manifest, indent=2))
+        _fsync_dir(weights_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as exc:  # a failed or interrupted write leaves no temporary directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists():  # the new one never got its manifest: the previous one of this label goes back
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(old, target)
+        if not isinstance(exc, OSError):
+            raise
+        where = exc.filename or tmp
+        reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large",
+                  errno.EROFS: "read-only file system"}.get(exc.errno, exc.strerror or str(exc))
+        raise CheckpointWriteError(f"checkpoint: cannot write {where} ({reason}); the previous checkpoint in "
+                                   f"{weights_dir} is intact") from None
     return target
+
+
+def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Checkpoint:
+    """The checkpoint at `path` if it is complete and its files are intact; a UserError saying what is wrong."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise UserError(f"checkpoint: {path} is incomplete (no {MANIFEST}; its write was interrupted)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        outer_step = int(manifest["outer_step"])
+        files = dict(manifest["files"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise UserError(f"checkpoint: {manifest_path} is damaged (not a checkpoint manifest)") from None
+    if manifest.get("format") != FORMAT or not manifest.get("resumable"):
+        raise UserError(f"checkpoint: {path} was written by another version or holds no resume state")
+    if config_hash is not None and manifest.get("config_hash") != config_hash:
+        raise UserError(f"checkpoint: {path} belongs to another configuration (config hash "
+                        f"{manifest.get('config_hash')}, this run's is {config_hash})")
+    for name, info in files.items():
+        file = path / name
+        if not file.is_file():
+            raise UserError(f"checkpoint: {file} is missing")
+        if file.stat().st_size != info["bytes"]:
+            raise UserError(f"checkpoint: {file} has {file.stat().st_size} bytes, the manifest says {info['bytes']} "
+                            "(truncated or overwritten)")
+        if deep and _sha256(file) != info["sha256"]:
+            raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
+    return Checkpoint(path, outer_step, manifest)
+
+
+def latest_checkpoint(weights_dir: Path, config_hash: str) -> Checkpoint:
+    """The newest complete checkpoint; damaged newer ones are reported and skipped."""
+    candidates = []
+    for path in weights_dir.iterdir() if weights_dir.is_dir() else []:
+        if path.is_dir() and not path.name.startswith("."):
+            try:
+                step = int(json.loads((path / MANIFEST).read_text())["outer_step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                step = -1  # incomplete or damaged: verified (and reported) last
+            candidates.append((step, path.name == "final", path))
+    problems = []
+    for _, _, path in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
+        try:
+            return verify(path, config_hash)
+        except UserError as exc:
+            if "another configuration" in str(exc):
+                raise
+            problems.append(str(exc).removeprefix("checkpoint: "))
+            log.warning("skipping %s", exc)
+    detail = f": {'; '.join(problems)}" if problems else ""
+    raise UserError(f"--resume: no complete checkpoint in {weights_dir}{detail}")
 
 
 def load_trainer_weights(path: str | Path) -> dict[str, torch.Tensor]:

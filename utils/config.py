@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import json
+import math
 import sys
 import types
 import typing
@@ -159,9 +162,19 @@ class Config:
     tensorboard: bool = _f(False, "Also write the scalars as TensorBoard event files (run_dir/tensorboard).")
     inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.")
     memory_sample_interval_s: float = _f(0.05, "How often the memory monitor samples RSS during a round.",
-                                         min=0.001)
+                                         min=0.001, max=60.0)
+    # --- faults ---
+    on_node_fault: str = _f("stop", "What a node fault (non-finite loss or weights, or an exception in a node) "
+                            "does: stop (checkpoint the last good state and exit with one line naming outer step, "
+                            "trainer and node) or skip (drop that node's contribution for the round, log it in "
+                            "fault_events.csv and go on).", choices=("stop", "skip"))
+    inject_fault: str = _f("", "Testing aid: faults to cause on purpose, '<outer_step>:<node_id>:<kind>' with kind "
+                           "nan (the node's loss becomes NaN) or error (the node raises), comma-separated; "
+                           "empty = none.")
 
     def __post_init__(self) -> None:
+        self._check_paths()
+        self.injected_faults()  # validates the syntax
         if self.outer_nesterov and self.outer_momentum == 0:
             raise ConfigError("outer_nesterov", "Nesterov needs outer_momentum > 0 (DiLoCo uses 0.9)")
         if len(self.inner_betas) != 2 or not all(0 <= b < 1 for b in self.inner_betas):
@@ -186,6 +199,40 @@ class Config:
         unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
         if unknown or not self.embedded_sources:
             raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
+
+    def _check_paths(self) -> None:
+        """run_name and log_file are plain names inside their directories: no separators, no escapes."""
+        for key, value, may_be_empty in (("run_name", self.run_name, True), ("log_file", self.log_file, False)):
+            if not value and may_be_empty:
+                continue
+            if not value or value.strip() != value:
+                raise ConfigError(key, f"{value!r} must be a non-empty name without surrounding spaces")
+            if "/" in value or "\\" in value or value in (".", "..") or "\0" in value:
+                raise ConfigError(key, f"{value!r} must be a plain name, not a path (no '/', '..' or absolute paths)")
+            if len(value.encode()) > MAX_NAME_BYTES:
+                raise ConfigError(key, f"is {len(value.encode())} bytes long; at most {MAX_NAME_BYTES}")
+        if not self.log_dir.strip():
+            raise ConfigError("log_dir", "must not be empty (use . for the current directory)")
+
+    def injected_faults(self) -> dict[tuple[int, int], str]:
+        """inject_fault parsed: (outer_step, node_id) -> kind."""
+        faults: dict[tuple[int, int], str] = {}
+        for item in filter(None, (part.strip() for part in self.inject_fault.split(","))):
+            parts = item.split(":")
+            try:
+                step, node, kind = int(parts[0]), int(parts[1]), parts[2]
+                if len(parts) != 3:
+                    raise ValueError
+            except (ValueError, IndexError):
+                raise ConfigError("inject_fault", f"{item!r} is not '<outer_step>:<node_id>:<kind>' "
+                                  "(e.g. '3:1:nan')") from None
+            if kind not in FAULT_KINDS:
+                raise ConfigError("inject_fault", f"kind {kind!r} in {item!r} is not one of {', '.join(FAULT_KINDS)}")
+            if step < 1 or not 0 <= node < self.total_nodes:
+                raise ConfigError("inject_fault", f"{item!r}: outer steps start at 1 and node ids run from 0 to "
+                                  f"{self.total_nodes - 1}")
+            faults[(step, node)] = kind
+        return faults
 
     def _check_batches_can_grow(self) -> None:
         """Adaptive batching whose estimator can never see two gradient samples is a silent no-op: refuse it."""
@@ -226,6 +273,25 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def meaning(self) -> dict[str, Any]:
+        """The settings that decide a run's numbers: everything but RESUME_MAY_CHANGE."""
+        return {k: v for k, v in self.to_dict().items() if k not in RESUME_MAY_CHANGE}
+
+    def meaning_hash(self) -> str:
+        """A checkpoint is resumable under a config with the same hash."""
+        return hashlib.sha256(json.dumps(self.meaning(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+FAULT_KINDS = ("nan", "error")
+MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffixes need the rest
+# Keys a resumed run may change (--resume RUN_DIR key=value): they do not change what is computed, only
+# how long it runs, what is recorded and how faults are handled. Everything else is fixed by the checkpoint.
+RESUME_MAY_CHANGE = frozenset({
+    "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
+    "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
+    "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
+})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,6 +334,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(key, f"expected a finite number, got {value}")
     elif tp is str:
         if isinstance(value, bool) and ("off" if not value else "on") in (meta.get("choices") or ()):
             value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
@@ -329,6 +397,25 @@ def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]
     return base
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key: str, line: int) -> None:
+        super().__init__(f"duplicate key {key}")
+        self.key, self.line = key, line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKeyError(str(key), key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, schema: type | None = None,
                 section: str | None = None) -> Any:
     """Read a YAML file (optional), apply overrides, validate everything into `schema` (default Config).
@@ -341,7 +428,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError("--config", f"file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r})") from None
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path} ({exc.strerror})") from None
+        try:
+            loaded = yaml.load(text, Loader=_StrictLoader)
+        except DuplicateKeyError as exc:
+            raise ConfigError(exc.key, f"appears twice in {path} (line {exc.line}); keep one") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

@@ -49,9 +49,49 @@ def setup_logging(log_file: Path | None) -> None:
 
 
 def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
-    name = run_name or f"{model}_{dataset}_{datetime.now().strftime('%Y_%m_%d_%H_%M_%S')}"
-    path = Path(log_dir) / name
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"run directory {path} already exists and is not empty")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """A fresh run directory under log_dir (`~` expanded).
+
+    Without run_name the name is <model>_<dataset>_<date>, with _2, _3, ... when runs start in the same
+    second. With run_name, an existing directory that holds checkpoints is refused (continue it with
+    --resume); one without (the stub of a failed run) is renamed to <run_name>.failed_<date>, never deleted.
+    """
+    from utils.checkpoint import MANIFEST
+    from utils.errors import UserError
+
+    root = Path(log_dir).expanduser()
+    stamp = datetime.now().strftime("%Y_%m_%d_%H_%M_%S")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if run_name:
+            path = root / run_name
+            if path.exists() and not path.is_dir():
+                raise UserError(f"run_name: {path} exists and is not a directory")
+            if path.is_dir() and any(path.iterdir()):
+                if any((path / "model_weights").glob(f"*/{MANIFEST}")):
+                    raise UserError(f"run_name: {path} holds a run with checkpoints; continue it with "
+                                    f"`python run.py --resume {path}` or choose another run_name")
+                aside = _unique(root / f"{run_name}.failed_{stamp}")
+                path.rename(aside)
+                logging.getLogger(__name__).warning("run_name: %s held a run without checkpoints; moved to %s",
+                                                    path, aside)
+            path.mkdir(exist_ok=True)
+            return path
+        base = f"{Path(model).name or model}_{dataset}_{stamp}"
+        for i in range(1, 1000):
+            path = root / (base if i == 1 else f"{base}_{i}")
+            try:
+                path.mkdir()  # atomic: two runs starting together never get the same directory
+                return path
+            except FileExistsError:
+                continue
+        raise UserError(f"log_dir: could not find a free run directory name in {root}")
+    except OSError as exc:
+        raise UserError(f"log_dir: cannot create a run directory in {root} ({exc.strerror or exc})") from None
+
+
+def _unique(path: Path) -> Path:
+    candidate, i = path, 1
+    while candidate.exists():
+        i += 1
+        candidate = path.with_name(f"{path.name}_{i}")
+    return candidate
