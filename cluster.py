@@ -434,7 +434,6 @@ class ClusterController:
         path = self.weights_dir / f"outer_step_{self.last_outer_step:04d}"
         if self.checkpointed_step != self.last_outer_step:
             path = self.save()
-        log.warning("%s: stopped after outer step %d; checkpoint %s", self.stop.name, self.last_outer_step, path)
         return RunStopped(self.stop.signum or 2, f"stopped by {self.stop.name} after outer step "
                           f"{self.last_outer_step}; checkpoint {path}")
 

@@ -27,6 +27,7 @@ from utils.errors import ConfigError, RunStopped, UserError
 
 log = logging.getLogger("run")
 TRACKER_CLOSE_TIMEOUT_S = 15.0
+FILE_ONLY = {"file_only": True}  # main() prints these lines itself
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -221,10 +222,10 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         logger.finish(summary)
     except RunStopped as exc:
         exc.run_dir = run_dir
-        log.warning("%s; resume with: python run.py --resume %s", exc, run_dir)
+        log.warning("%s; resume with: python run.py --resume %s", exc, run_dir, extra=FILE_ONLY)
         raise
     except UserError as exc:
-        log.error("%s", exc)  # the run's own log says why it ended
+        log.error("%s", exc, extra=FILE_ONLY)  # the run's own log says why it ended
         raise
     except Exception:
         log.exception("run failed")

@@ -76,6 +76,17 @@ def resolve_mode(mode: str, timeout_s: float) -> str:
     return "online"
 
 
+def _report_in_a_thread() -> None:
+    """ClearML reports through a subprocess on Linux, whose flush and close wait ~16 s even offline; a
+    stop on SIGTERM must end within 30 s. Its thread mode (the default elsewhere) closes in milliseconds."""
+    try:
+        from clearml.backend_interface.task.task import Task as BackendTask
+
+        BackendTask._report_subprocess_enabled = False
+    except (ImportError, AttributeError):  # pragma: no cover - another ClearML version
+        pass
+
+
 def _read_record(path: Path | None) -> dict:
     try:
         return json.loads(path.read_text()) if path is not None else {}
@@ -123,6 +134,7 @@ class ClearMLTracker(Tracker):
 
     def _init(self, task_class, project: str, task_name: str, continue_id: str | None):
         task_class.set_offline(self.mode == "offline")
+        _report_in_a_thread()
         # No framework hooks (they would report our scalars twice). Repository and package detection
         # only online: offline it would scan packages in the background while training runs.
         frameworks = {name: False for name in FRAMEWORK_HOOKS}

@@ -39,6 +39,8 @@ def setup_logging(log_file: Path | None) -> None:
     root.setLevel(logging.INFO)
     console = _TqdmHandler()
     console.setFormatter(logging.Formatter("%(message)s"))
+    # records with extra={"file_only": True}: the run's log keeps them; the console gets them from main()
+    console.addFilter(lambda record: not getattr(record, "file_only", False))
     root.addHandler(console)
     if log_file is not None:
         file_handler = logging.FileHandler(log_file, encoding="utf-8")
