@@ -197,7 +197,8 @@ class ClusterController:
                                                 padding_percentage=cfg.padding_percentage,
                                                 nodes_per_gpu=cfg.nodes_per_gpu,
                                                 device_memory_mb=cfg.device_memory_mb,
-                                                upper=min(cfg.max_requested_batch, len(data.train)))
+                                                upper=min(cfg.max_requested_batch, len(data.train)),
+                                                num_cpu_devices=cfg.devices.count("cpu"))
             for _ in range(cfg.nodes_per_gpu):
                 node = Node(len(self.nodes), device, replicate(model, device), make_optimizer, cfg.grad_clip,
                             data.train)

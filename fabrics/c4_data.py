@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import zlib
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -52,30 +53,39 @@ def find_shards(root: Path, language: str, split: str) -> list[Path]:
     return files
 
 
-def _has_a_line(path: Path) -> bool:
+def _check_shard(path: Path) -> None:
+    """The whole shard decompresses (a truncated .gz fails only at its end) and holds a line."""
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return any(line.strip() for line in f)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        raise DataError(f"c4_local_path: {path.name} is not a readable gzip text file ({exc})") from None
+            has_line = False
+            for line in f:
+                has_line = has_line or bool(line.strip())
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        raise DataError(f"c4_local_path: {path} is not a complete gzip text file ({type(exc).__name__}: "
+                        f"{exc}); download it again") from None
+    if not has_line:
+        raise DataError(f"c4_local_path: {path.name} holds no documents")
 
 
 def _read_json_shards(files: list[Path], limit: int) -> datasets.Dataset:
     for f in files:
-        if not _has_a_line(f):
-            raise DataError(f"c4_local_path: {f.name} holds no documents")
+        _check_shard(f)
     try:
         ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
-    except (DatasetGenerationError, ValueError, OSError) as exc:
+    except (DatasetGenerationError, ValueError, OSError, EOFError) as exc:
         cause = exc.__cause__ or exc
         raise DataError(f"c4_local_path: {', '.join(f.name for f in files)} is not valid C4 JSON lines "
-                        f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]})") from None
+                        f"({type(cause).__name__}: {str(cause).splitlines()[0][:160] if str(cause) else ''})") from None
     if "text" not in ds.column_names:
         raise DataError(f"c4_local_path: {files[0].name} has no 'text' field; is it a C4 shard?")
-    if len(ds) == 0:
-        raise DataError(f"c4_local_path: {', '.join(f.name for f in files)} holds no documents")
     ds = ds.select_columns(["text"])
-    return ds.select(range(min(limit, len(ds)))) if limit else ds
+    usable = ds.filter(lambda text: isinstance(text, str) and bool(text.strip()), input_columns="text")
+    if len(usable) < len(ds):
+        log.warning("c4_local_path: %d of %d documents have no text (null or empty); skipped", len(ds) - len(usable),
+                    len(ds))
+    if len(usable) == 0:
+        raise DataError(f"c4_local_path: {', '.join(f.name for f in files)} holds no documents with text")
+    return usable.select(range(min(limit, len(usable)))) if limit else usable
 
 
 def load_local_c4(root: Path, language: str, num_documents: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:

@@ -234,14 +234,23 @@ class CorpusData:
 
 
 def hold_out(docs: datasets.Dataset, cfg: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, validation) by whole documents: about 8 characters per token of the val_size sequences."""
+    """(train, validation) by whole documents: about 8 characters per token of the val_size sequences.
+
+    Validation may take at most half the documents: a val_size the data cannot give is refused here,
+    before a tokenizer is trained on what would be left."""
     need_chars = cfg.val_size * cfg.seq_len * 8
+    most = len(docs) // 2
     n_val, chars = 0, 0
     for text in docs["text"]:
-        if chars >= need_chars or n_val >= len(docs) - 1:
+        if chars >= need_chars or n_val >= most:
             break
         chars += len(text)
         n_val += 1
+    if chars < need_chars and n_val >= most:
+        total = sum(len(t) for t in docs["text"])
+        raise DataError(f"val_size: {cfg.val_size} validation sequences of {cfg.seq_len} tokens need about "
+                        f"{need_chars:,} characters of held-out text, but the {len(docs)} documents hold {total:,} "
+                        f"in all and at most half go to validation; lower val_size (or seq_len)")
     return docs.select(range(n_val, len(docs))), docs.select(range(n_val))
 
 

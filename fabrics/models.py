@@ -65,6 +65,9 @@ def build_model(cfg: Config, vocab_size: int, pad_token_id: int | None) -> PreTr
                     "hub_downloads: true")
             raise UserError(f"model_config.name: cannot load pretrained weights '{name}' ({type(exc).__name__}){hint}, "
                             "or set model_config.pretrained: false") from None
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and cfg.seq_len > limit:
+            raise UserError(f"seq_len: {cfg.seq_len} is above the {limit} positions of model '{name}'")
         if model.config.vocab_size < vocab_size:
             raise UserError(f"tokenizer: its vocabulary ({vocab_size}) is larger than the model's "
                             f"({model.config.vocab_size}); use the model's own tokenizer (tokenizer: auto or {name})")

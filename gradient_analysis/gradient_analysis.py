@@ -150,10 +150,13 @@ def load_model(cfg: AnalysisConfig, train_cfg, tokenizer):
     path = Path(cfg.checkpoint_path).expanduser() if cfg.checkpoint_path else None
     if path is not None and path.is_dir():
         auto = AutoModelForSequenceClassification if train_cfg.model_type == "bert" else AutoModelForCausalLM
+        check_checkpoint(path)
         try:
             return auto.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"checkpoint_path: {path} is not a model directory ({type(exc).__name__})") from None
+        except Exception as exc:  # transformers raises OSError, ValueError, SafetensorError, ...
+            detail = str(exc).splitlines()[0][:160] if str(exc) else ""
+            raise UserError(f"checkpoint_path: cannot load the model in {path} ({type(exc).__name__}: "
+                            f"{detail})") from None
     model = build_model(train_cfg, len(tokenizer), tokenizer.pad_token_id)
     if path is not None:
         state = load_trainer_weights(path)
@@ -163,6 +166,20 @@ def load_model(cfg: AnalysisConfig, train_cfg, tokenizer):
                             f"({train_cfg.model_config.name}); set train_config to the run's config.yaml")
         load_float_state(model, state)
     return model
+
+
+def check_checkpoint(path: Path) -> None:
+    """A trainer_<t>.safetensors file, or a Hugging Face directory with config.json and intact weights."""
+    from utils.checkpoint import load_trainer_weights
+
+    if not path.is_dir():
+        load_trainer_weights(path)
+        return
+    if not (path / "config.json").is_file():
+        raise UserError(f"checkpoint_path: {path} has no config.json, so it is not a Hugging Face model "
+                        "directory; give model_weights/<label>/final_model or a trainer_<t>.safetensors file")
+    for weights in sorted(path.glob("*.safetensors")):  # a damaged file gets its own message
+        load_trainer_weights(weights)
 
 
 def find_train_config(cfg: AnalysisConfig) -> Path:
@@ -226,10 +243,8 @@ def run(cfg: AnalysisConfig) -> dict:
     train_cfg = load_config(train_cfg_path, cfg.train_overrides)
     device = cfg.device if (not cfg.device.startswith("cuda") or torch.cuda.is_available()) else "cpu"
     checkpoint = Path(cfg.checkpoint_path).expanduser() if cfg.checkpoint_path else None
-    if checkpoint is not None and not checkpoint.is_dir():
-        from utils.checkpoint import load_trainer_weights
-
-        load_trainer_weights(checkpoint)  # fail on a missing or corrupt file before any data work
+    if checkpoint is not None:
+        check_checkpoint(checkpoint)  # a missing or damaged checkpoint fails before any data work
     data = load_corpus(train_cfg)
     if cfg.num_samples > len(data.train):
         raise UserError(f"num_samples: {cfg.num_samples} requested, the data has {len(data.train)} sequences")

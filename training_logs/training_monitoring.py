@@ -35,15 +35,18 @@ TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requeste
            "accumulation_steps", "num_nodes", "tokens_seen")
 
 
-def start_csv(path: Path, columns: list[str], resume_step: int | None) -> None:
-    """A new CSV with its header, or (resume) the existing one cut back to rows of outer steps <= resume_step."""
+def start_csv(path: Path, columns: list[str], resume_step: int | None, always_keep=None) -> None:
+    """A new CSV with its header, or (resume) the existing one cut back to rows of outer steps <= resume_step
+    (and rows for which always_keep(row) is true)."""
     kept: list[list[str]] = []
     if resume_step is not None and path.is_file():
         with path.open(newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if header == columns:
-                kept = [row for row in reader if row and row[0].isdigit() and int(row[0]) <= resume_step]
+                kept = [row for row in reader  # a row torn by a crash (too short) is dropped too
+                        if len(row) == len(columns) and row[0].isdigit()
+                        and (int(row[0]) <= resume_step or (always_keep is not None and always_keep(row)))]
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -78,9 +81,10 @@ class TrainingLogger:
         self.merge_path = report_dir / "merge_events.csv"
         self.fault_path = report_dir / "fault_events.csv"
         self._lock = threading.Lock()
-        for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS),
-                              (self.fault_path, FAULT_COLUMNS)):
+        for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
             start_csv(path, columns, resume_step)
+        # a fault that stopped the run is why it was resumed: its record stays
+        start_csv(self.fault_path, FAULT_COLUMNS, resume_step, lambda row: row[FAULT_COLUMNS.index("action")] == "stop")
         self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv", resume_step)
         self.merges = 0
         self.batch_increases = 0

@@ -170,11 +170,14 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
         if old.exists():  # the new one never got its manifest: the previous one of this label goes back
             shutil.rmtree(target, ignore_errors=True)
             os.replace(old, target)
-        if not isinstance(exc, OSError):
+        if not isinstance(exc, Exception):  # an interrupt: the caller handles it
             raise
-        where = exc.filename or tmp
-        reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large",
-                  errno.EROFS: "read-only file system"}.get(exc.errno, exc.strerror or str(exc))
+        if isinstance(exc, OSError):
+            where = exc.filename or tmp
+            reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large",
+                      errno.EROFS: "read-only file system"}.get(exc.errno, exc.strerror or str(exc))
+        else:  # torch.save and safetensors report a failed write as RuntimeError / SafetensorError
+            where, reason = tmp, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         raise CheckpointWriteError(f"checkpoint: cannot write {where} ({reason}); the previous checkpoint in "
                                    f"{weights_dir} is intact") from None
     return target

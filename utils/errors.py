@@ -42,10 +42,22 @@ class RunStopped(Exception):
 
 
 def exit_code_of(action: Callable[[], object]) -> int:
-    """Run a command-line action: 0 on success, the error's exit code with a one-line message for a UserError."""
+    """Run a command-line action: 0 on success; otherwise one line on stderr, no traceback, and the exit code
+    of the error: a UserError's own, 2 for a file that cannot be read or written, 1 for anything else (a bug;
+    its traceback goes to the log at DEBUG level)."""
+    import logging
+
     try:
         action()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"error: cannot read or write{where} ({exc.strerror or exc})", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        logging.getLogger(__name__).debug("unexpected error", exc_info=True)
+        print(f"error: internal error ({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
+        return 1
     return 0

@@ -72,13 +72,33 @@ def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
 
 def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, budget_bytes: float,
                   upper: int) -> int:
+    """Binary search that never allocates more than its budget.
+
+    Activations grow linearly with the batch, so sizes 1 and 2 give a line; a candidate the line puts
+    over the budget is rejected without running it (a real forward pass at twice the budget is what
+    once got the probe OOM-killed). Candidates under the line are measured for real.
+    """
     static = _static_bytes(model, make_optimizer, seq_len)
     model.train()
+    if static + _activation_bytes(model, seq_len, 1) > budget_bytes:
+        return 0
+    one = _activation_bytes(model, seq_len, 1)
+    per_sequence = max(_activation_bytes(model, seq_len, 2) - one, 1) if static + 2 * one <= budget_bytes else one
+
+    def predicted(b: int) -> float:
+        return static + one + per_sequence * (b - 1)
 
     def fits(b: int) -> bool:
+        if predicted(b) > budget_bytes:
+            return False
         return static + _activation_bytes(model, seq_len, b) <= budget_bytes
 
     return _binary_search(fits, upper)
+
+
+def default_device_memory_mb(num_cpu_devices: int) -> float:
+    """device_memory_mb 0: half the memory available now, shared by the simulated CPU devices."""
+    return 0.5 * psutil.virtual_memory().available / MiB / max(num_cpu_devices, 1)
 
 
 def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, device: str,
@@ -112,13 +132,15 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
 
 
 def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int, *,
-                        padding_percentage: float, nodes_per_gpu: int, device_memory_mb: float, upper: int) -> int:
+                        padding_percentage: float, nodes_per_gpu: int, device_memory_mb: float, upper: int,
+                        num_cpu_devices: int = 1) -> int:
     """Largest micro-batch for one node of `device`; a UserError when not even one sequence fits."""
+    log.info("%s: probing the largest micro-batch per node (up to %d sequences)", device, upper)
     if device.startswith("cuda"):
         found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper)
         torch.cuda.empty_cache()
     else:
-        device_bytes = device_memory_mb * MiB if device_memory_mb > 0 else 0.4 * psutil.virtual_memory().total
+        device_bytes = (device_memory_mb or default_device_memory_mb(num_cpu_devices)) * MiB
         budget = device_bytes * padding_percentage / nodes_per_gpu
         found = cpu_max_batch(model, make_optimizer, seq_len, budget, upper)
         log.info("%s: simulated device of %.0f MiB, budget per node %.1f MiB -> max batch %d", device,

@@ -1,0 +1,357 @@
+"""Runs that survive: exact resume, SIGTERM / SIGKILL, atomic checkpoints, node faults, full disks.
+
+The reference is one uninterrupted 6-step run with 4 trainers on 4 nodes, merges at steps 2, 4 and 6,
+gradient accumulation and Nesterov outer momentum; every interrupted-and-resumed run must reproduce
+its CSV rows (wall time aside) and its final weights bit for bit.
+"""
+
+import csv
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from run import main, resume_config, train
+from tests.conftest import ROOT, TINY
+from utils.checkpoint import (
+    MANIFEST,
+    CheckpointWriteError,
+    latest_checkpoint,
+    remove_stray_temporaries,
+    save_checkpoint,
+    verify,
+)
+from utils.config import load_config
+from utils.errors import ConfigError, UserError
+
+RESUMABLE = [*TINY, "max_batch_size=2", "initial_batch_size=3", "ETA=0.3", "max_requested_batch=8",
+             "num_init_trainers=4", "devices=[cpu,cpu]", "outer_momentum=0.9", "outer_nesterov=true",
+             "merge_frequency=2", "save_weights_every=2"]
+STEPS = 6
+LOGS = ("training_log.csv", "merge_events.csv", "step_loss_log.csv", "fault_events.csv")
+
+
+def overrides(cache_dir, log_dir, *extra):
+    return [*RESUMABLE, f"cache_dir={cache_dir}", f"log_dir={log_dir}", *extra]
+
+
+def rows(run_dir, name):
+    with (run_dir / "model_training_report" / name).open() as f:
+        return [{k: v for k, v in r.items() if k != "wall_time"} for r in csv.DictReader(f)]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(str(p)) for p in sorted((run_dir / "model_weights" / "final").glob("*.safetensors"))}
+
+
+def assert_same_run(expected, got):
+    for name in LOGS:
+        assert rows(got, name) == rows(expected, name), name
+    a, b = final_weights(expected), final_weights(got)
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+
+
+def no_temporaries(run_dir):
+    return not [p.name for p in (run_dir / "model_weights").iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    """The uninterrupted run every resumed run must reproduce."""
+    log_dir = tmp_path_factory.mktemp("reference")
+    run_dir, summary = train(load_config(ROOT / "config.yaml", overrides(cache_dir, log_dir, "run_name=full",
+                                                                          f"num_outer_steps={STEPS}")))
+    assert summary["merges"] == 3 and summary["accumulation_used"]  # both happen in the resumed intervals
+    return run_dir
+
+
+def resume(run_dir, *extra):
+    cfg, checkpoint = resume_config(run_dir, [f"num_outer_steps={STEPS}", *extra], None)
+    return train(cfg, (run_dir, checkpoint))
+
+
+def cli(cache_dir, log_dir, *extra):
+    return [sys.executable, str(ROOT / "run.py"), *overrides(cache_dir, log_dir, *extra)]
+
+
+def wait_for(predicate, proc, timeout=240.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume equals the uninterrupted run
+
+
+def test_resume_after_the_end_extends_the_run_exactly(reference, tmp_path, cache_dir):
+    cfg = load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path, "run_name=r", "num_outer_steps=3"))
+    run_dir, _ = train(cfg)
+    run_dir, summary = resume(run_dir)
+    assert summary["outer_steps"] == STEPS
+    assert_same_run(reference, run_dir)
+    assert no_temporaries(run_dir)
+    # metrics.jsonl holds each step once, as in the uninterrupted run
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_with_clearml_stops_in_time_and_resumes_exactly(reference, tmp_path, cache_dir):
+    run_dir = tmp_path / "sig"
+    proc = subprocess.Popen(cli(cache_dir, tmp_path, "run_name=sig", "num_outer_steps=40", "clearml_mode=offline"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "[outer 3/" in (run_dir / "training_log.log").read_text()
+             if (run_dir / "training_log.log").is_file() else False, proc)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert time.time() - sent < 30
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM after outer step ") and f"--resume {run_dir}" in last
+    assert "Traceback" not in err
+    assert json.loads((run_dir / "clearml_task.json").read_text())["mode"] == "offline"
+    assert no_temporaries(run_dir) and not (run_dir / "run.lock").exists()
+    stopped_at = latest_checkpoint(run_dir / "model_weights", load_config(run_dir / "config.yaml").meaning_hash())
+    assert stopped_at.outer_step >= 3
+    run_dir, _ = resume(run_dir, "clearml_mode=off")
+    assert_same_run(reference, run_dir)
+
+
+def test_sigkill_loses_only_the_work_since_the_last_checkpoint(reference, tmp_path, cache_dir):
+    run_dir = tmp_path / "kill"
+    proc = subprocess.Popen(cli(cache_dir, tmp_path, "run_name=kill", "num_outer_steps=40"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: (run_dir / "model_weights" / "outer_step_0004" / MANIFEST).is_file(), proc)
+    proc.kill()
+    proc.wait()
+    (run_dir / "model_weights" / ".outer_step_0006.tmp").mkdir()  # as a kill during a write would leave it
+    cfg, checkpoint = resume_config(run_dir, [f"num_outer_steps={STEPS}"], None)
+    assert checkpoint.outer_step == 4
+    run_dir, _ = train(cfg, (run_dir, checkpoint))
+    assert_same_run(reference, run_dir)
+    assert no_temporaries(run_dir)
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from utils.signals import StopSignals\n"
+        "stop = StopSignals().install()\n"
+        "stop.can_checkpoint = True  # as in the outer loop: the first signal only asks\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "assert stop.requested and stop.name == 'SIGTERM'\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n")
+    start = time.time()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143 and time.time() - start < 10
+    assert "SIGTERM again: exiting now" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Node faults
+
+
+def test_fault_stop_checkpoints_the_last_good_state_and_resumes_exactly(reference, tmp_path, cache_dir, capsys):
+    args = [*overrides(cache_dir, tmp_path, "run_name=fault", f"num_outer_steps={STEPS}", "inject_fault=3:1:nan")]
+    assert main(["--config", str(ROOT / "config.yaml"), *args]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    err = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and err[0].startswith("error: node fault at outer step 3, trainer ")
+    assert ", node 1: non-finite loss at inner step 0" in err[0] and "outer_step_0002" in err[0]
+    run_dir = tmp_path / "fault"
+    (fault,) = rows(run_dir, "fault_events.csv")
+    assert (fault["outer_step"], fault["node_id"], fault["kind"], fault["action"]) == ("3", "1", "nan", "stop")
+    assert "node fault at outer step 3" in (run_dir / "training_log.log").read_text()
+    # the fault is gone on the second try (inject_fault may change on resume): same as never failing
+    run_dir, _ = resume(run_dir, "inject_fault=")
+    for name in ("training_log.csv", "merge_events.csv", "step_loss_log.csv"):
+        assert rows(run_dir, name) == rows(reference, name), name
+    assert rows(run_dir, "fault_events.csv") == [fault]  # the record of what happened stays
+
+
+def test_fault_skip_drops_the_node_and_a_trainer_without_nodes_keeps_its_weights(tmp_path, tiny_config):
+    # 4 trainers on 4 nodes: one node each. Step 2: node 1 raises, node 2 turns NaN.
+    cfg = tiny_config("run_name=skip", "num_init_trainers=4", "devices=[cpu,cpu]", "merge_frequency=0",
+                      "num_outer_steps=3", "on_node_fault=skip", "inject_fault=2:1:error,2:2:nan")
+    run_dir, summary = train(cfg)
+    faults = rows(run_dir, "fault_events.csv")
+    assert [(f["outer_step"], f["node_id"], f["kind"], f["action"]) for f in faults] == [
+        ("2", "1", "error", "skip"), ("2", "2", "nan", "skip")]
+    assert "InjectedFault" in faults[0]["message"]
+    log_rows = {(r["outer_step"], r["trainer_id"]): r for r in rows(run_dir, "training_log.csv")}
+    owner = {r["nodes"]: r["trainer_id"] for r in log_rows.values() if r["outer_step"] == "1"}
+    for node in ("1", "2"):
+        t = owner[node]
+        failed, before = log_rows[("2", t)], log_rows[("1", t)]
+        assert failed["num_nodes"] == "0" and failed["nodes"] == "" and failed["train_loss"] == "nan"
+        assert failed["val_perplexity"] == before["val_perplexity"]  # same weights, same metric
+        assert failed["tokens_seen"] == before["tokens_seen"]
+        assert log_rows[("3", t)]["num_nodes"] == "1"  # back to work the round after
+    assert summary["final_metric"] < summary["initial_metric"]
+
+
+def test_divergence_is_a_fault_not_a_traceback(tmp_path, cache_dir, capsys):
+    args = [*TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=div", "lr_inner=1000",
+            "grad_clip=0"]
+    assert main(["--config", str(ROOT / "config.yaml"), *args]) == 3
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert "outer step 1, trainer 0, node 0: non-finite" in line and "lower lr_inner" in line
+    assert (tmp_path / "div" / "model_weights" / "outer_step_0000" / MANIFEST).is_file()
+
+
+def test_inject_fault_is_validated():
+    for bad in ("3", "3:1", "x:1:nan", "3:1:boom", "0:1:nan", "3:99:nan"):
+        with pytest.raises(ConfigError, match="inject_fault"):
+            load_config(ROOT / "config.yaml", [f"inject_fault={bad}"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: atomic writes, verification, full disks
+
+
+class FakeTrainer:
+    def __init__(self, value: float) -> None:
+        self.master = {"w": torch.full((4,), value)}
+
+    def state_dict(self):
+        return {"value": float(self.master["w"][0])}
+
+
+def write(weights_dir, label, value, step=1):
+    return save_checkpoint(weights_dir, label, step, {0: FakeTrainer(value)}, {"step": step}, "hash")
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    import utils.checkpoint as checkpoint
+
+    write(tmp_path, "final", 1.0)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / ".final.tmp" / "trainer_0.safetensors"))
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(CheckpointWriteError, match="disk full.*previous checkpoint .* is intact"):
+        write(tmp_path, "final", 2.0, step=2)
+    monkeypatch.undo()
+    assert verify(tmp_path / "final").outer_step == 1
+    assert verify(tmp_path / "final").trainer_weights(0)["w"][0] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_an_interrupted_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    import utils.checkpoint as checkpoint
+
+    write(tmp_path, "final", 1.0)
+    real_save = torch.save
+
+    def interrupted(obj, path, *args, **kwargs):
+        if "resume_state" in str(path):
+            raise KeyboardInterrupt
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write(tmp_path, "final", 2.0, step=2)
+    monkeypatch.undo()
+    assert verify(tmp_path / "final").trainer_weights(0)["w"][0] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_leftovers_of_a_killed_write_are_cleaned_and_the_old_checkpoint_restored(tmp_path):
+    write(tmp_path, "final", 1.0)
+    os.replace(tmp_path / "final", tmp_path / ".final.old")  # killed between the two renames
+    (tmp_path / ".final.tmp").mkdir()
+    remove_stray_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    assert verify(tmp_path / "final").trainer_weights(0)["w"][0] == 1.0
+
+
+def test_verification_says_what_is_wrong(tmp_path):
+    path = write(tmp_path, "outer_step_0001", 1.0)
+    write(tmp_path, "outer_step_0002", 2.0, step=2)
+    with pytest.raises(UserError, match="belongs to another configuration"):
+        latest_checkpoint(tmp_path, "other")
+    weights = tmp_path / "outer_step_0002" / "trainer_0.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])
+    with pytest.raises(UserError, match="trainer_0.safetensors has .* bytes, the manifest says"):
+        verify(tmp_path / "outer_step_0002")
+    assert latest_checkpoint(tmp_path, "hash").path == path  # the damaged newer one is skipped
+    data = bytearray((path / "trainer_0.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (path / "trainer_0.safetensors").write_bytes(bytes(data))
+    with pytest.raises(UserError, match="no complete checkpoint .*does not match its sha256"):
+        latest_checkpoint(tmp_path, "hash")
+    (tmp_path / "outer_step_0003").mkdir()
+    with pytest.raises(UserError, match="outer_step_0003 is incomplete"):
+        verify(tmp_path / "outer_step_0003")
+
+
+def test_a_full_disk_ends_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_config):
+    """A real write failure: the file-size limit (RLIMIT_FSIZE) makes every write past 1 MiB fail."""
+    run_dir, _ = train(tiny_config("run_name=full_disk", "num_outer_steps=2"))
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--resume", str(run_dir), "num_outer_steps=4"],
+                          cwd=ROOT, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "checkpoint: cannot write" in line and "previous checkpoint" in line
+    assert "Traceback" not in proc.stderr
+    assert verify(run_dir / "model_weights" / "final").outer_step == 2
+    assert no_temporaries(run_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# --resume refuses what would change the run
+
+
+def test_resume_refuses_changes_that_change_the_run(tmp_path, tiny_config, capsys):
+    run_dir, _ = train(tiny_config("run_name=base", "num_outer_steps=1"))
+    for override, key in (("lr_inner=0.01", "lr_inner"), ("model_config.name=microllama-mini", "model_config"),
+                          ("run_name=other", "run_name"), ("devices=[cpu,cpu]", "devices")):
+        with pytest.raises(ConfigError, match=f"'{key}': cannot change when resuming"):
+            resume_config(run_dir, [override], None)
+    with pytest.raises(UserError, match="--config: a resumed run uses RUN_DIR/config.yaml"):
+        resume_config(run_dir, [], "config.yaml")
+    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("lr_inner: 0.003", "lr_inner: 0.004"))
+    with pytest.raises(UserError, match="belongs to another configuration"):
+        resume_config(run_dir, [], None)
+    empty = tmp_path / "empty"
+    (empty / "model_weights").mkdir(parents=True)
+    config.replace(empty / "config.yaml")
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        resume_config(empty, [], None)
+
+
+def test_retrying_a_run_with_checkpoints_points_to_resume(tiny_config):
+    cfg = tiny_config("run_name=again", "num_outer_steps=1")
+    train(cfg)
+    with pytest.raises(UserError, match="holds a run with checkpoints; continue it with `python run.py --resume"):
+        train(cfg)
