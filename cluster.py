@@ -116,7 +116,10 @@ class RoundBackend:
         except Exception as exc:  # a node fault, handled by the on_node_fault policy
             log.debug("node %d failed", job.node_id, exc_info=True)
             return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
-        return check_finite(result) or result
+        fault = check_finite(result)
+        if fault is not None and job.inject_fault:
+            fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
+        return fault or result
 
     def run_round(self, jobs: list[NodeJob]) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         if self.pool is None:

@@ -126,11 +126,13 @@ def test_sigterm_with_clearml_stops_in_time_and_resumes_exactly(reference, tmp_p
     last = err.strip().splitlines()[-1]
     assert last.startswith("stopped by SIGTERM after outer step ") and f"--resume {run_dir}" in last
     assert "Traceback" not in err
-    assert json.loads((run_dir / "clearml_task.json").read_text())["mode"] == "offline"
+    first_task = json.loads((run_dir / "clearml_task.json").read_text())
+    assert first_task["mode"] == "offline"
     assert no_temporaries(run_dir) and not (run_dir / "run.lock").exists()
     stopped_at = latest_checkpoint(run_dir / "model_weights", load_config(run_dir / "config.yaml").meaning_hash())
     assert stopped_at.outer_step >= 3
-    run_dir, _ = resume(run_dir, "clearml_mode=off")
+    run_dir, _ = resume(run_dir)  # a new offline ClearML session that names the task it continues
+    assert json.loads((run_dir / "clearml_task.json").read_text())["continues"] == first_task["task_id"]
     assert_same_run(reference, run_dir)
 
 
@@ -178,7 +180,7 @@ def test_fault_stop_checkpoints_the_last_good_state_and_resumes_exactly(referenc
     assert "Traceback" not in err
     err = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and err[0].startswith("error: node fault at outer step 3, trainer ")
-    assert ", node 1: non-finite loss at inner step 0" in err[0] and "outer_step_0002" in err[0]
+    assert ", node 1: non-finite loss (inject_fault: nan)" in err[0] and "outer_step_0002" in err[0]
     run_dir = tmp_path / "fault"
     (fault,) = rows(run_dir, "fault_events.csv")
     assert (fault["outer_step"], fault["node_id"], fault["kind"], fault["action"]) == ("3", "1", "nan", "stop")

@@ -1,0 +1,267 @@
+"""Bad input answered in one line: each case a new user met, reproduced and checked.
+
+Every case must end in a one-line error with a non-zero exit (or behave correctly), before any
+expensive work where the input allows, without a traceback, and without losing anything written.
+"""
+
+import gzip
+import http.server
+import json
+import logging
+import shutil
+import socket
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabrics.c4_data import load_local_c4
+from run import main, train
+from tests.conftest import ROOT, TINY
+from utils.config import load_config
+from utils.errors import ConfigError, DataError, UserError
+from utils.utils import make_run_dir
+
+SHARD = ROOT.parent / "shared" / "data" / "c4" / "c4-train.00000-of-01024.first1000.json.gz"
+
+
+def error_lines(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+@pytest.mark.parametrize("key", ["lr_inner", "padding_percentage", "memory_sample_interval_s", "clearml_timeout_s",
+                                 "ETA"])
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan"])
+def test_non_finite_numbers_are_refused(key, value):
+    with pytest.raises(ConfigError, match=f"'{key}': expected a finite number"):
+        load_config(ROOT / "config.yaml", [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("run_name=../../x", "run_name"), ("run_name=/tmp/abs", "run_name"), ("run_name=a/b", "run_name"),
+    ("run_name=..", "run_name"), ("log_file=../x.log", "log_file"), ("log_file=", "log_file"),
+    ("log_file=/tmp/x.log", "log_file"), (f"run_name={'r' * 300}", "run_name"), ("log_dir=", "log_dir"),
+])
+def test_paths_stay_in_their_place(override, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(ROOT / "config.yaml", [override])
+
+
+def test_duplicate_yaml_keys_and_bad_encoding(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("lr_inner: 1.0e-3\nnum_outer_steps: 2\nlr_inner: 2.0e-3\n")
+    with pytest.raises(ConfigError, match="'lr_inner': appears twice .*line 3"):
+        load_config(dup)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model_config:\n  name: microllama-tiny\n  name: microllama-mini\n")
+    with pytest.raises(ConfigError, match="'name': appears twice"):
+        load_config(nested)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("task_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(latin)
+
+
+def test_log_dir_expands_home_and_run_names_are_unique(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    dirs = {make_run_dir("~/runs", "", "microllama-tiny", "embedded") for _ in range(3)}  # the same second
+    assert len(dirs) == 3 and all(d.parent == tmp_path / "home" / "runs" for d in dirs)
+    assert not (tmp_path / "~").exists()
+    (tmp_path / "home" / "runs" / "a_file").write_text("x")
+    with pytest.raises(UserError, match="run_name: .*a_file exists and is not a directory"):
+        make_run_dir("~/runs", "a_file", "m", "d")
+    blocker = tmp_path / "plain_file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="log_dir: cannot create a run directory in .*plain_file"):
+        make_run_dir(str(blocker / "logs"), "", "m", "d")
+
+
+def test_unwritable_log_dir_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "plain_file"
+    blocker.write_text("keep me")
+    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={blocker}/logs", "clearml_mode=off"]) == 2
+    (line,) = error_lines(capsys)
+    assert "log_dir: cannot create a run directory" in line and str(blocker) in line
+    assert blocker.read_text() == "keep me"
+
+
+def test_a_failed_run_logs_its_error_and_never_blocks_a_retry(tiny_config, tmp_path, capsys):
+    cfg = tiny_config("run_name=retry", "dataset=c4", f"c4_local_path={tmp_path / 'missing'}")
+    for _ in range(2):
+        with pytest.raises(DataError, match="c4_local_path: directory not found"):
+            train(cfg)
+    log_dir = Path(cfg.log_dir)
+    stubs = sorted(p.name for p in log_dir.iterdir() if p.name.startswith("retry.failed_"))
+    assert len(stubs) == 1  # the first attempt's directory, moved aside and kept
+    for run in (log_dir / "retry", log_dir / stubs[0]):
+        assert "c4_local_path: directory not found" in (run / "training_log.log").read_text()
+        assert not (run / "run.lock").exists()
+
+
+def test_devices_and_model_limits_are_checked_before_any_data_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["--config", str(ROOT / "config.yaml"), f"log_dir={tmp_path}", "clearml_mode=off"]
+    assert main([*base, "devices=[cuda, cuda]"]) == 2
+    (line,) = error_lines(capsys)
+    assert "'devices': 'cuda' needs CUDA" in line
+    assert main([*base, "seq_len=4096"]) == 2
+    (line,) = error_lines(capsys)
+    assert "'seq_len': 4096 is above the 1024 positions of model 'microllama-tiny'" in line
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
+def test_unexpected_errors_are_one_line_with_the_traceback_in_the_log(tiny_config, tmp_path, capsys, monkeypatch):
+    import cluster
+
+    def broken(self):
+        raise RuntimeError("something nobody foresaw")
+
+    monkeypatch.setattr(cluster.ClusterController, "train", broken)
+    args = [*TINY, f"cache_dir={tiny_config().cache_dir}", f"log_dir={tmp_path}", "run_name=bug"]
+    assert main(["--config", str(ROOT / "config.yaml"), *args]) == 1
+    (line,) = error_lines(capsys)
+    assert line.startswith("error: internal error (RuntimeError: something nobody foresaw); traceback in")
+    log_text = (tmp_path / "bug" / "training_log.log").read_text()
+    assert "Traceback" in log_text and "something nobody foresaw" in log_text
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory probe
+
+
+def test_default_device_memory_shares_half_the_available_memory(monkeypatch):
+    import utils.max_batch_calculator as mbc
+
+    memory = namedtuple("memory", "available total")
+    monkeypatch.setattr(mbc.psutil, "virtual_memory", lambda: memory(8 << 30, 64 << 30))
+    assert mbc.default_device_memory_mb(2) == 2048.0
+    assert load_config(ROOT / "config.yaml", ["device_memory_mb=0"]).device_memory_mb == 0.0
+
+
+def test_the_probe_never_allocates_past_its_budget(monkeypatch, tiny_config):
+    import utils.max_batch_calculator as mbc
+    from fabrics.models import build_model
+    from trainers import DiLoCoTrainer
+
+    cfg = tiny_config()
+    model = build_model(cfg, 512, 1)
+    make_optimizer = DiLoCoTrainer.inner_optimizer_factory(cfg)
+    static = mbc._static_bytes(model, make_optimizer, cfg.seq_len)
+    per_sequence = mbc._activation_bytes(model, cfg.seq_len, 2) - mbc._activation_bytes(model, cfg.seq_len, 1)
+    budget = static + mbc._activation_bytes(model, cfg.seq_len, 1) + 10.5 * per_sequence  # room for ~11
+    measured = []
+    real = mbc._activation_bytes
+
+    def spy(model, seq_len, batch):
+        measured.append(batch)
+        return real(model, seq_len, batch)
+
+    monkeypatch.setattr(mbc, "_activation_bytes", spy)
+    found = mbc.cpu_max_batch(model, make_optimizer, cfg.seq_len, budget, upper=4096)
+    assert found == 11
+    # no forward pass ran at a batch whose activations exceed the budget (the old search tried 16)
+    assert max(measured) == 11 and all(static + real(model, cfg.seq_len, b) <= budget for b in measured)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def test_a_truncated_shard_is_one_line(tmp_path):
+    shard = tmp_path / "en" / "c4-train.00000-of-01024.json.gz"
+    shard.parent.mkdir()
+    shard.write_bytes(SHARD.read_bytes()[: SHARD.stat().st_size // 2])
+    with pytest.raises(DataError, match="c4-train.00000-of-01024.json.gz is not a complete gzip text file"):
+        load_local_c4(tmp_path, "en", 100)
+
+
+def test_documents_without_text_are_skipped(tmp_path, caplog):
+    shard = tmp_path / "c4-train.00000-of-01024.json.gz"
+    lines = [{"text": "first document", "url": "a"}, {"text": None, "url": "b"}, {"text": "", "url": "c"},
+             {"text": "second document", "url": "d"}]
+    with gzip.open(shard, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    with caplog.at_level(logging.WARNING):
+        train_docs, val_docs = load_local_c4(tmp_path, "en", 0)
+    assert train_docs["text"] == ["first document", "second document"] and val_docs is None
+    assert "2 of 4 documents have no text" in caplog.text
+
+
+def test_val_size_beyond_the_data_fails_before_training_a_tokenizer(tiny_config, monkeypatch):
+    import fabrics.dataset_loader as loader
+
+    monkeypatch.setattr(loader, "_train_bpe", lambda *a: pytest.fail("a tokenizer was trained"))
+    with pytest.raises(DataError, match="val_size: 100000 validation sequences .* lower val_size"):
+        loader.load_corpus(tiny_config("val_size=100000"))
+
+
+# ----------------------------------------------------------------------------------------------
+# ClearML
+
+
+class NotClearML(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"<html>a web page</html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_clearml_falls_back_offline_with_the_right_reason(monkeypatch, caplog):
+    from training_logs.clearml_tracker import resolve_mode, server_problem
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotClearML)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = f"http://127.0.0.1:{server.server_port}"
+        monkeypatch.setenv("CLEARML_API_HOST", api)
+        monkeypatch.setenv("CLEARML_API_ACCESS_KEY", "key")
+        monkeypatch.setenv("CLEARML_API_SECRET_KEY", "secret")
+        monkeypatch.delenv("CLEARML_OFFLINE_MODE", raising=False)
+        with caplog.at_level(logging.WARNING):
+            assert resolve_mode("online", 2.0) == "offline"
+        assert "answered HTTP 200, but is not a ClearML API server" in caplog.text
+    finally:
+        server.shutdown()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    problem = server_problem(f"http://127.0.0.1:{closed}", 5.0)
+    assert problem == "could not be reached (refused the connection)"
+
+
+# ----------------------------------------------------------------------------------------------
+# gradient_analysis
+
+
+def test_gradient_analysis_names_what_is_wrong_with_a_model_directory(tmp_path, tiny_config, capsys):
+    from fabrics.models import build_model
+    from gradient_analysis.gradient_analysis import main as analysis_main
+
+    model_dir = tmp_path / "final_model"
+    build_model(tiny_config(), 512, 1).save_pretrained(model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert analysis_main([f"checkpoint_path={model_dir}"]) == 2
+    (line,) = error_lines(capsys)
+    assert "model.safetensors is not a readable safetensors file" in line
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    shutil.copy(weights, no_config / "model.safetensors")
+    assert analysis_main([f"checkpoint_path={no_config}"]) == 2
+    (line,) = error_lines(capsys)
+    assert "has no config.json, so it is not a Hugging Face model directory" in line
