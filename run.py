@@ -114,7 +114,14 @@ def resume_config(run_dir: Path, overrides: list[str], config_arg: str | None):
     if pinned:
         raise ConfigError(pinned[0], "cannot change when resuming: the run directory is given by --resume")
     cfg = load_config(run_dir / "config.yaml", overrides)
+    saved = load_config(run_dir / "config.yaml").meaning()
+    changed = sorted(k for k, v in cfg.meaning().items() if saved.get(k) != v)
+    if changed:  # e.g. max_tokens, when it sets the length of linear_rampup's schedule
+        raise ConfigError(changed[0], "cannot change when resuming: it would change what the run computes")
     checkpoint = latest_checkpoint(run_dir / "model_weights", cfg.meaning_hash())
+    if checkpoint.path.name == "final" and checkpoint.outer_step >= cfg.num_outer_steps:
+        raise ConfigError("num_outer_steps", f"the run in {run_dir} already finished its {checkpoint.outer_step} "
+                          "outer steps; give a larger num_outer_steps to extend it")
     return cfg, checkpoint
 
 
@@ -219,6 +226,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
                                 classification, resume_step)
         cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights", checkpoint, stop)
         summary = cluster.train()
+        if stop.requested:
+            log.warning("%s arrived during the final checkpoint; the run is complete", stop.name)
         logger.finish(summary)
     except RunStopped as exc:
         exc.run_dir = run_dir
@@ -266,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except (StopRequested, KeyboardInterrupt) as exc:
         signum = getattr(exc, "signum", 2)
-        print(f"stopped by {stop.name if stop.signum else 'SIGINT'} before training started; nothing to resume",
-              file=sys.stderr)
+        what = stop.name if stop.signum else "SIGINT"
+        if args.resume:
+            print(f"stopped by {what} before training resumed; the checkpoints in {args.resume} are unchanged",
+                  file=sys.stderr)
+        else:
+            print(f"stopped by {what} before training started; nothing to resume", file=sys.stderr)
         return 128 + signum
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""

@@ -354,6 +354,20 @@ def test_resume_refuses_changes_that_change_the_run(tmp_path, tiny_config, capsy
 
 def test_retrying_a_run_with_checkpoints_points_to_resume(tiny_config):
     cfg = tiny_config("run_name=again", "num_outer_steps=1")
-    train(cfg)
+    run_dir, _ = train(cfg)
     with pytest.raises(UserError, match="holds a run with checkpoints; continue it with `python run.py --resume"):
         train(cfg)
+    with pytest.raises(ConfigError, match="already finished its 1 outer steps; give a larger num_outer_steps"):
+        resume_config(run_dir, [], None)
+    cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=2"], None)
+    (run_dir / "run.lock").write_text(str(os.getppid()))  # a live process holds the directory
+    with pytest.raises(UserError, match=f"is in use by process {os.getppid()}"):
+        train(cfg, (run_dir, checkpoint))
+
+
+def test_max_tokens_is_fixed_when_it_sets_the_rampup_schedule(tiny_config):
+    run_dir, _ = train(tiny_config("run_name=ramp", "num_outer_steps=1", "sampling_method=linear_rampup",
+                                   "max_tokens=100000"))
+    with pytest.raises(ConfigError, match="'rampup_tokens': cannot change when resuming"):
+        resume_config(run_dir, ["num_outer_steps=2", "max_tokens=200000"], None)
+    assert resume_config(run_dir, ["num_outer_steps=2"], None)[1].outer_step == 1

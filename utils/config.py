@@ -275,8 +275,12 @@ class Config:
         return dataclasses.asdict(self)
 
     def meaning(self) -> dict[str, Any]:
-        """The settings that decide a run's numbers: everything but RESUME_MAY_CHANGE."""
-        return {k: v for k, v in self.to_dict().items() if k not in RESUME_MAY_CHANGE}
+        """The settings that decide a run's numbers: everything but RESUME_MAY_CHANGE (max_tokens does
+        decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too)."""
+        meaning = {k: v for k, v in self.to_dict().items() if k not in RESUME_MAY_CHANGE}
+        if self.sampling_method == "linear_rampup":
+            meaning["rampup_tokens"] = self.rampup_tokens or self.max_tokens
+        return meaning
 
     def meaning_hash(self) -> str:
         """A checkpoint is resumable under a config with the same hash."""

@@ -55,7 +55,8 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
 
     Without run_name the name is <model>_<dataset>_<date>, with _2, _3, ... when runs start in the same
     second. With run_name, an existing directory that holds checkpoints is refused (continue it with
-    --resume); one without (the stub of a failed run) is renamed to <run_name>.failed_<date>, never deleted.
+    --resume), and so is one that is not a run directory; a run directory without checkpoints (the stub of
+    a failed run) is renamed to <run_name>.failed_<date>, never deleted.
     """
     from utils.checkpoint import MANIFEST
     from utils.errors import UserError
@@ -72,6 +73,9 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
                 if any((path / "model_weights").glob(f"*/{MANIFEST}")):
                     raise UserError(f"run_name: {path} holds a run with checkpoints; continue it with "
                                     f"`python run.py --resume {path}` or choose another run_name")
+                if not (path / "config.yaml").is_file():
+                    raise UserError(f"run_name: {path} already exists and is not a run directory; "
+                                    "choose another run_name")
                 aside = _unique(root / f"{run_name}.failed_{stamp}")
                 path.rename(aside)
                 logging.getLogger(__name__).warning("run_name: %s held a run without checkpoints; moved to %s",
