@@ -150,12 +150,13 @@ def use_threads(cfg: Config) -> bool:
     return len(set(cuda)) > 1 and len(cuda) == len(cfg.devices)
 
 
-def rng_state() -> dict:
-    """Every global RNG (none decides anything today, but a model with dropout would use them)."""
+def rng_state(cuda: bool = False) -> dict:
+    """Every global RNG (none decides anything today, but a model with dropout would use them).
+    cuda: also the CUDA generators (only when the run uses CUDA: reading them initialises every device)."""
     return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
             "python_version": random.getstate()[0], "numpy": np.random.get_state()[1].tolist(),
             "numpy_pos": int(np.random.get_state()[2]),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "cuda": torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict) -> None:
@@ -245,7 +246,8 @@ class ClusterController:
         """What a round changes before its outer steps: restored when a round is abandoned or fails."""
         return {"owner": dict(self.owner), "holds": dict(self.holds), "traffic": dataclasses.asdict(self.traffic),
                 "samplers": {t: tr.sampler.state_dict() for t, tr in self.trainers.items()},
-                "optimizers": [n.optimizer_state() for n in self.nodes], "rng": rng_state()}
+                "optimizers": [n.optimizer_state() for n in self.nodes],
+                "rng": rng_state(cuda=any(d.startswith("cuda") for d in self.cfg.devices))}
 
     def _restore_round(self, state: dict) -> None:
         self.owner, self.holds = dict(state["owner"]), dict(state["holds"])

@@ -151,7 +151,8 @@ def test_sigkill_loses_only_the_work_since_the_last_checkpoint(reference, tmp_pa
     assert no_temporaries(run_dir)
 
 
-def test_a_second_signal_exits_at_once(tmp_path):
+@pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
+def test_a_second_signal_exits_at_once(tmp_path, signum, name):
     script = tmp_path / "twice.py"
     script.write_text(
         "import os, signal, sys, time\n"
@@ -159,14 +160,14 @@ def test_a_second_signal_exits_at_once(tmp_path):
         "from utils.signals import StopSignals\n"
         "stop = StopSignals().install()\n"
         "stop.can_checkpoint = True  # as in the outer loop: the first signal only asks\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "assert stop.requested and stop.name == 'SIGTERM'\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        f"os.kill(os.getpid(), {int(signum)})\n"
+        f"assert stop.requested and stop.name == {name!r}\n"
+        f"os.kill(os.getpid(), {int(signum)})\n"
         "time.sleep(30)\n")
     start = time.time()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 143 and time.time() - start < 10
-    assert "SIGTERM again: exiting now" in proc.stderr
+    assert proc.returncode == 128 + signum and time.time() - start < 10
+    assert f"{name} again: exiting now" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------
