@@ -30,8 +30,14 @@ TRACKER_CLOSE_TIMEOUT_S = 15.0
 FILE_ONLY = {"file_only": True}  # main() prints these lines itself
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other input error (argparse adds the usage)
+        print(f"error: {message} (see python run.py --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML config (default: config.yaml)")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None,
                         help="continue the run in RUN_DIR from its latest complete checkpoint")
@@ -237,7 +243,7 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         log.error("%s", exc, extra=FILE_ONLY)  # the run's own log says why it ended
         raise
     except Exception:
-        log.exception("run failed")
+        log.exception("run failed", extra=FILE_ONLY)  # the traceback goes to the log; main prints one line
         raise
     finally:
         if logger is not None:

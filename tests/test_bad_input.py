@@ -49,6 +49,7 @@ def test_non_finite_numbers_are_refused(key, value):
     ("run_name=../../x", "run_name"), ("run_name=/tmp/abs", "run_name"), ("run_name=a/b", "run_name"),
     ("run_name=..", "run_name"), ("log_file=../x.log", "log_file"), ("log_file=", "log_file"),
     ("log_file=/tmp/x.log", "log_file"), (f"run_name={'r' * 300}", "run_name"), ("log_dir=", "log_dir"),
+    ('run_name="a\\nb"', "run_name"), ("log_file=model_weights", "log_file"), ("log_file=config.yaml", "log_file"),
 ])
 def test_paths_stay_in_their_place(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -83,6 +84,26 @@ def test_log_dir_expands_home_and_run_names_are_unique(tmp_path, monkeypatch):
     blocker.write_text("x")
     with pytest.raises(UserError, match="log_dir: cannot create a run directory in .*plain_file"):
         make_run_dir(str(blocker / "logs"), "", "m", "d")
+
+
+def test_command_line_mistakes_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--resume"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == "error: argument --resume: expected one argument (see python run.py --help)"
+
+
+def test_an_unusable_cache_dir_is_one_line_without_traceback(tmp_path, capsys):
+    blocker = tmp_path / "plain_file"
+    blocker.write_text("x")
+    args = ["--config", str(ROOT / "config.yaml"), f"log_dir={tmp_path / 'logs'}", f"cache_dir={blocker}",
+            "clearml_mode=off", "tokenizer=bpe"]
+    assert main(args) == 2
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err
+    (line,) = [x for x in out.err.splitlines() if x.startswith("error:")]
+    assert str(blocker) in line and "Not a directory" in line
 
 
 def test_unwritable_log_dir_is_one_line(tmp_path, capsys):

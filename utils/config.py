@@ -211,6 +211,10 @@ class Config:
                 raise ConfigError(key, f"{value!r} must be a plain name, not a path (no '/', '..' or absolute paths)")
             if len(value.encode()) > MAX_NAME_BYTES:
                 raise ConfigError(key, f"is {len(value.encode())} bytes long; at most {MAX_NAME_BYTES}")
+            if any(ord(c) < 32 or ord(c) == 127 for c in value):
+                raise ConfigError(key, f"{value!r} contains control characters (a newline, a tab, ...)")
+        if self.log_file in RUN_DIR_ENTRIES:
+            raise ConfigError("log_file", f"'{self.log_file}' is the name of another entry of the run directory")
         if not self.log_dir.strip():
             raise ConfigError("log_dir", "must not be empty (use . for the current directory)")
 
@@ -288,6 +292,9 @@ class Config:
 
 
 FAULT_KINDS = ("nan", "error")
+# what a run directory holds besides its log file (README: "What a run shows and leaves")
+RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "model_weights", "model_training_report",
+                             "memory_report", "tensorboard", "clearml_task.json", "run.lock"})
 MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffixes need the rest
 # Keys a resumed run may change (--resume RUN_DIR key=value): they do not change what is computed, only
 # how long it runs, what is recorded and how faults are handled. Everything else is fixed by the checkpoint.
