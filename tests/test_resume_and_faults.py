@@ -28,7 +28,7 @@ from utils.checkpoint import (
     verify,
 )
 from utils.config import load_config
-from utils.errors import ConfigError, UserError
+from utils.errors import ConfigError, TrainingFault, UserError
 
 RESUMABLE = [*TINY, "max_batch_size=2", "initial_batch_size=3", "ETA=0.3", "max_requested_batch=8",
              "num_init_trainers=4", "devices=[cpu,cpu]", "outer_momentum=0.9", "outer_nesterov=true",
@@ -212,6 +212,11 @@ def test_fault_skip_drops_the_node_and_a_trainer_without_nodes_keeps_its_weights
         assert failed["tokens_seen"] == before["tokens_seen"]
         assert log_rows[("3", t)]["num_nodes"] == "1"  # back to work the round after
     assert summary["final_metric"] < summary["initial_metric"]
+
+
+def test_skip_stops_when_no_node_is_left(tiny_config):
+    with pytest.raises(TrainingFault, match="outer step 1, trainer 0, node 0: .* every node failed; stopped"):
+        train(tiny_config("run_name=none_left", "on_node_fault=skip", "inject_fault=1:0:error,1:1:nan"))
 
 
 def test_divergence_is_a_fault_not_a_traceback(tmp_path, cache_dir, capsys):
