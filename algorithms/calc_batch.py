@@ -1,7 +1,8 @@
 """Adaptive batch-size tests (paper section 3.3; Byrd et al. 2012, Bollapragada et al. 2017, AdAdaGrad).
 
 Each test looks at the gradient samples of one trainer (`GradientSamples`: rows g_i, each the mean
-gradient over b_i examples, and a group id per row) and returns the batch each node should request next.
+gradient over b_i examples, and a group id per row), or at their sums (`GradientStatistics`, which
+nodes can build without exchanging gradients), and returns the batch each node should request next.
 
 Estimating the per-example variance sigma^2 from batch gradients of unequal sizes: Var[g_i] = sigma^2 / b_i,
 so with d_i = g_i - (b-weighted mean of g_i's group),
@@ -50,17 +51,24 @@ class BatchDecision:
 
 
 @dataclass
-class Deviations:
-    """What every test needs: the mean gradient and each sample's deviation from its group mean."""
+class GradientStatistics:
+    """What every test needs, as sums over a trainer's samples (d_i = g_i - mean of g_i's group).
 
-    mean: torch.Tensor  # [P] b-weighted mean of all samples
+    Built directly from the samples (`statistics_of`, the simulated cluster), or from sums each node
+    computes on its own samples and a reduction adds up (`NodeGradientSums`: one vector all-reduce of
+    the b-weighted gradient sum plus scalars, so no node ever holds another node's gradients).
+    """
+
+    mean: torch.Tensor  # [P] b-weighted mean of all samples (fp64)
     sq_norm: float  # ||mean||^2
-    deviations: torch.Tensor  # [n, P] g_i - mean of g_i's group
-    batch_sizes: torch.Tensor  # [n] float64
+    weighted_dev: float  # sum_i b_i ||d_i||^2
+    plain_dev: float  # sum_i ||d_i||^2 (logged as sum_sq_diffs)
+    inner: float  # sum_i b_i <d_i, mean>^2
+    ortho_dev: float  # sum_i b_i ||d_i - <d_i, mean> / ||mean||^2 mean||^2
     dof: int  # n - number of groups
 
 
-def deviations(samples: GradientSamples) -> Deviations:
+def statistics_of(samples: GradientSamples) -> GradientStatistics:
     g = samples.grads.double()
     b = samples.batch_sizes.double()
     mean = (b[:, None] * g).sum(0) / b.sum()
@@ -70,7 +78,83 @@ def deviations(samples: GradientSamples) -> Deviations:
         rows = torch.tensor([i for i, x in enumerate(groups) if x == group])
         group_mean = (b[rows, None] * g[rows]).sum(0) / b[rows].sum()
         d[rows] = g[rows] - group_mean
-    return Deviations(mean, float(mean @ mean), d, b, len(groups) - len(set(groups)))
+    sq_norm = float(mean @ mean)
+    sq_dev = (d**2).sum(dim=1)
+    inner = d @ mean  # <d_i, g>
+    residual = d - (inner / sq_norm)[:, None] * mean[None, :] if sq_norm > 0 else d
+    return GradientStatistics(mean, sq_norm, float((b * sq_dev).sum()), float(sq_dev.sum()),
+                              float((b * inner**2).sum()), float((b * (residual**2).sum(dim=1)).sum()),
+                              len(groups) - len(set(groups)))
+
+
+@dataclass
+class NodeGradientSums:
+    """One node's share of a trainer's GradientStatistics: sums that add up across nodes.
+
+    within_node: the node's samples form their own group (the micro_batches estimator), so its
+    deviations are measured here; otherwise all of a trainer's samples form one group (the nodes
+    estimator) and the deviations follow from the totals: sum b ||g - m||^2 = sum b ||g||^2 - B ||m||^2.
+    The inner-product term needs the trainer's mean first: a second, scalar reduction (`inner_sum`).
+    """
+
+    weighted_sum: torch.Tensor  # [P] sum_i b_i g_i (fp64)
+    plain_sum: torch.Tensor  # [P] sum_i g_i
+    batch: float  # sum_i b_i
+    weighted_sq: float  # sum_i b_i ||g_i||^2
+    plain_sq: float  # sum_i ||g_i||^2
+    count: int  # samples
+    groups: int  # groups measured here (within_node: 1 per node with samples)
+    weighted_dev: float  # within_node: sum_i b_i ||g_i - node mean||^2
+    plain_dev: float
+
+    @classmethod
+    def of(cls, grads: torch.Tensor, batch_sizes: torch.Tensor, within_node: bool) -> NodeGradientSums:
+        g, b = grads.double(), batch_sizes.double()
+        weighted_sum = (b[:, None] * g).sum(0)
+        weighted_dev = plain_dev = 0.0
+        if within_node:
+            d = g - weighted_sum / b.sum()
+            sq_dev = (d**2).sum(dim=1)
+            weighted_dev, plain_dev = float((b * sq_dev).sum()), float(sq_dev.sum())
+        sq = (g**2).sum(dim=1)
+        return cls(weighted_sum, g.sum(0), float(b.sum()), float((b * sq).sum()), float(sq.sum()), len(b),
+                   int(within_node), weighted_dev, plain_dev)
+
+    def pack(self) -> torch.Tensor:
+        """One fp64 buffer [weighted_sum, plain_sum, scalars]: a single all-reduce (SUM) adds up the nodes."""
+        scalars = [self.batch, self.weighted_sq, self.plain_sq, self.count, self.groups, self.weighted_dev,
+                   self.plain_dev]
+        return torch.cat([self.weighted_sum, self.plain_sum, torch.tensor(scalars, dtype=torch.float64)])
+
+    @classmethod
+    def unpack(cls, buffer: torch.Tensor) -> NodeGradientSums:
+        p = (buffer.numel() - 7) // 2
+        batch, weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev = buffer[2 * p:].tolist()
+        return cls(buffer[:p], buffer[p:2 * p], batch, weighted_sq, plain_sq, round(count), round(groups),
+                   weighted_dev, plain_dev)
+
+    def __add__(self, other: NodeGradientSums) -> NodeGradientSums:
+        return NodeGradientSums(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
+
+    def inner_sum(self, grads: torch.Tensor, batch_sizes: torch.Tensor, mean: torch.Tensor,
+                  within_node: bool) -> float:
+        """This node's sum_i b_i <d_i, mean>^2, given the trainer's mean."""
+        g, b = grads.double(), batch_sizes.double()
+        group_mean = self.weighted_sum / self.batch if within_node else mean
+        return float((b * ((g - group_mean) @ mean) ** 2).sum())
+
+    def statistics(self, inner: float, within_node: bool) -> GradientStatistics:
+        """The trainer's statistics from the summed node shares (self) and the summed inner sums."""
+        mean = self.weighted_sum / self.batch
+        sq_norm = float(mean @ mean)
+        if within_node:
+            weighted_dev, plain_dev, dof = self.weighted_dev, self.plain_dev, self.count - self.groups
+        else:
+            weighted_dev = self.weighted_sq - self.batch * sq_norm
+            plain_dev = self.plain_sq - 2 * float(mean @ self.plain_sum) + self.count * sq_norm
+            dof = self.count - 1
+        ortho_dev = weighted_dev - inner / sq_norm if sq_norm > 0 else weighted_dev
+        return GradientStatistics(mean, sq_norm, weighted_dev, plain_dev, inner, ortho_dev, dof)
 
 
 class BatchTest(ABC):
@@ -79,12 +163,12 @@ class BatchTest(ABC):
     def __init__(self, max_batch: int = 1 << 30) -> None:
         self.max_batch = max_batch
 
-    def __call__(self, samples: GradientSamples | None, current: int, num_nodes: int,
+    def __call__(self, samples: GradientSamples | GradientStatistics | None, current: int, num_nodes: int,
                  tokens_seen: int = 0) -> BatchDecision:
-        """The next requested batch from this round's gradient samples (None: no samples, keep the batch)."""
+        """The next requested batch from this round's gradient samples or their statistics (None: keep the batch)."""
         if samples is None:
             return BatchDecision(current, {})
-        dev = deviations(samples)
+        dev = statistics_of(samples) if isinstance(samples, GradientSamples) else samples
         if dev.dof < 1:
             return BatchDecision(current, {})  # one sample per group has no variance: keep the batch
         if dev.sq_norm < _MIN_SQ_NORM:
@@ -96,7 +180,7 @@ class BatchTest(ABC):
         return BatchDecision(int(new), stats)
 
     @abstractmethod
-    def target(self, dev: Deviations, num_nodes: int) -> tuple[float, dict[str, float]]:
+    def target(self, dev: GradientStatistics, num_nodes: int) -> tuple[float, dict[str, float]]:
         """The batch size the test asks for (before rounding, monotonicity and the cap)."""
 
 
@@ -110,10 +194,9 @@ class NormTest(BatchTest):
         self.eta = eta
 
     def target(self, dev, num_nodes):
-        sq_dev = (dev.deviations**2).sum(dim=1)
-        variance = float((dev.batch_sizes * sq_dev).sum()) / dev.dof
+        variance = dev.weighted_dev / dev.dof
         target = variance / (num_nodes * self.eta**2 * dev.sq_norm)
-        return target, {"variance": variance, "sum_sq_diffs": float(sq_dev.sum())}
+        return target, {"variance": variance, "sum_sq_diffs": dev.plain_dev}
 
 
 class AugmentedInnerProductTest(BatchTest):
@@ -132,11 +215,9 @@ class AugmentedInnerProductTest(BatchTest):
         self.nu = nu
 
     def target(self, dev, num_nodes):
-        b, d, mean, sq_norm = dev.batch_sizes, dev.deviations, dev.mean, dev.sq_norm
-        inner = d @ mean  # <d_i, g>
-        inner_variance = float((b * inner**2).sum()) / dev.dof
-        residual = d - (inner / sq_norm)[:, None] * mean[None, :]
-        ortho_variance = float((b * (residual**2).sum(dim=1)).sum()) / dev.dof
+        sq_norm = dev.sq_norm
+        inner_variance = dev.inner / dev.dof
+        ortho_variance = dev.ortho_dev / dev.dof
         t_ip = inner_variance / (num_nodes * self.vartheta**2 * sq_norm**2)
         t_ortho = ortho_variance / (num_nodes * self.nu**2 * sq_norm)
         stats = {"inner_variance": inner_variance, "ortho_variance": ortho_variance, "T_ip": t_ip,

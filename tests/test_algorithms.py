@@ -1,5 +1,8 @@
 """Every algorithm against hand-computed values."""
 
+import functools
+import operator
+
 import pytest
 import torch
 
@@ -9,8 +12,10 @@ from algorithms.calc_batch import (
     ConstantBatch,
     GradientSamples,
     LinearRampup,
+    NodeGradientSums,
     NormTest,
     build_batch_test,
+    statistics_of,
 )
 from algorithms.policies import BestWithWorst, MergePlan, WorstWithWorst, batch_weights, weighted_average
 from algorithms.switch_mode import OnlyDataLoader, OnlyGradientAccumulation, ThresholdSwitchMode
@@ -23,6 +28,41 @@ def S(grads, batch=1.0, groups=None) -> GradientSamples:  # noqa: N802 - reads l
     g = torch.as_tensor(grads, dtype=torch.float64)
     b = torch.as_tensor(batch, dtype=torch.float64).expand(g.shape[0]).clone()
     return GradientSamples(g, b, torch.as_tensor(groups if groups is not None else [0] * g.shape[0]))
+
+
+def node_shares(grads, sizes, nodes, within_node):
+    """A trainer's statistics as nodes would build them: each its own sums, then a sum (the all-reduce)."""
+    ids = nodes.unique().tolist()
+    shares = {n: NodeGradientSums.of(grads[nodes == n], sizes[nodes == n], within_node) for n in ids}
+    total = functools.reduce(operator.add, shares.values())
+    mean = total.weighted_sum / total.batch
+    inner = sum(share.inner_sum(grads[nodes == n], sizes[nodes == n], mean, within_node) for n, share in shares.items())
+    return total.statistics(inner, within_node)
+
+
+@pytest.mark.parametrize("within_node", [True, False])
+def test_node_sums_give_the_same_statistics_as_the_samples(within_node):
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(9, 50, generator=gen, dtype=torch.float64) + 0.3
+    sizes = torch.tensor([1.0, 2, 3, 2, 2, 1, 4, 3, 1], dtype=torch.float64)
+    nodes = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2]) if within_node else torch.arange(9)
+    direct = statistics_of(GradientSamples(grads, sizes, nodes if within_node else torch.zeros(9, dtype=torch.long)))
+    reduced = node_shares(grads, sizes, nodes, within_node)
+    assert reduced.dof == direct.dof
+    assert torch.allclose(reduced.mean, direct.mean, rtol=1e-12)
+    for field in ("sq_norm", "weighted_dev", "plain_dev", "inner", "ortho_dev"):
+        assert getattr(reduced, field) == pytest.approx(getattr(direct, field), rel=1e-10), field
+    for test in (NormTest(eta=0.05), AugmentedInnerProductTest(vartheta=0.05, nu=0.1)):
+        assert test(reduced, 1, 3).requested_batch == test(direct, 1, 3).requested_batch > 1
+
+
+def test_node_sums_pack_into_one_buffer():
+    share = NodeGradientSums.of(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([1.0, 3.0]), True)
+    back = NodeGradientSums.unpack(share.pack())
+    assert share.pack().shape == (2 * 2 + 7,)
+    assert vars(back).keys() == vars(share).keys()
+    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(vars(back).values(),
+                                                                                   vars(share).values()))
 
 
 def test_norm_test_hand_values():
