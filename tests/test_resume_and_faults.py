@@ -151,6 +151,37 @@ def test_sigkill_loses_only_the_work_since_the_last_checkpoint(reference, tmp_pa
     assert no_temporaries(run_dir)
 
 
+def test_a_stop_inside_a_threaded_round_resumes_exactly(reference, tmp_path, cache_dir, monkeypatch):
+    """The stop arrives while node 1 works on outer step 3, the nodes running as threads: the round is
+    abandoned, the state after step 2 is checkpointed, and the resumed run is the uninterrupted one."""
+    import trainers
+    from utils.errors import RunStopped
+    from utils.signals import StopSignals
+
+    stop = StopSignals()
+    calls = {"node 1": 0}
+    real_run = trainers.Node.run
+
+    def run(node, job):
+        if node.node_id == 1:
+            calls["node 1"] += 1
+            if calls["node 1"] == 3:
+                stop.signum = signal.SIGTERM
+                stop.event.set()  # what the signal handler does
+        return real_run(node, job)
+
+    monkeypatch.setattr(trainers.Node, "run", run)
+    cfg = load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path, "run_name=threads", "node_execution=threads",
+                                                      f"num_outer_steps={STEPS}"))
+    with pytest.raises(RunStopped, match="stopped by SIGTERM after outer step 2"):
+        train(cfg, None, stop)
+    monkeypatch.undo()
+    run_dir = tmp_path / "threads"
+    assert [p.name for p in sorted((run_dir / "model_weights").iterdir())] == ["outer_step_0002"]
+    run_dir, _ = resume(run_dir, "node_execution=sequential")
+    assert_same_run(reference, run_dir)
+
+
 @pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
 def test_a_second_signal_exits_at_once(tmp_path, signum, name):
     script = tmp_path / "twice.py"
