@@ -229,6 +229,7 @@ class ClusterController:
         self.best_seen: float | None = None  # best metric of any model evaluated during the run
         self.initial_metric: float | None = None
         self.wall_before = 0.0  # seconds trained before a resume
+        self._start = time.time()  # reset when training starts
         self.checkpointed_step: int | None = None  # the outer step of the last checkpoint written
         if resume is not None:
             for t, trainer in self.trainers.items():
@@ -263,7 +264,7 @@ class ClusterController:
         return {**self._round_state(), "outer_step": self.last_outer_step, "tokens_total": self.tokens_total,
                 "best_seen": self.best_seen, "initial_metric": self.initial_metric,
                 "nodes": [{"max_batch": n.max_batch} for n in self.nodes], "logger": self.logger.counters(),
-                "wall_time": self.wall_before + (time.time() - self._start if hasattr(self, "_start") else 0.0)}
+                "wall_time": self.wall_before + time.time() - self._start}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["nodes"]) != len(self.nodes):
@@ -443,6 +444,15 @@ class ClusterController:
         return RunStopped(self.stop.signum or 2, f"stopped by {self.stop.name} after outer step "
                           f"{self.last_outer_step}; checkpoint {path}")
 
+    def _fault_stop(self, fault: TrainingFault) -> TrainingFault:
+        """on_node_fault: stop. The round was rolled back: checkpoint the last good state, say where it is."""
+        if not getattr(fault, "state_is_good", True):
+            return TrainingFault(f"{fault}; the last checkpoint in {self.weights_dir} is intact")
+        path = self.weights_dir / f"outer_step_{self.last_outer_step:04d}"
+        if self.checkpointed_step != self.last_outer_step:
+            path = self.save()
+        return TrainingFault(f"{fault}; the state after outer step {self.last_outer_step} is in {path}")
+
     def train(self) -> dict:
         cfg = self.cfg
         self._start = time.time()
@@ -468,12 +478,7 @@ class ClusterController:
                 except RoundAbandoned:
                     raise self._stopped() from None
                 except TrainingFault as fault:
-                    if not getattr(fault, "state_is_good", True):
-                        raise TrainingFault(f"{fault}; the last checkpoint in {self.weights_dir} is intact") from None
-                    path = self.save() if self.checkpointed_step != self.last_outer_step else None
-                    where = path or self.weights_dir / f"outer_step_{self.last_outer_step:04d}"
-                    raise TrainingFault(f"{fault}; the state after outer step {self.last_outer_step} is in "
-                                        f"{where}") from None
+                    raise self._fault_stop(fault) from None
                 self.logger.memory.record("after_outer_step", outer_step)
                 merge_event = self.merge(outer_step, {r["trainer_id"]: r[self.evaluator.metric] for r in rows})
                 if merge_event:
