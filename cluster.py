@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import random
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import GradientSamples, build_batch_test
+from algorithms.calc_batch import GradientSamples, GradientStatistics, build_batch_test
 from algorithms.policies import build_merge_policy
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
@@ -52,6 +53,7 @@ class RoundResult:
     node_samples: dict[int, tuple[torch.Tensor, torch.Tensor]]  # node id -> (gradient samples, their batch sizes)
     node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
     learning_rate: float
+    statistics: GradientStatistics | None = None  # the batch test's sums, when a backend reduced them itself
 
 
 @dataclass
@@ -137,6 +139,13 @@ class RoundBackend:
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         return combine([o for o in outcomes if isinstance(o, NodeResult)]), faults
 
+    def agree(self, flag: bool) -> bool:
+        """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""
+        return flag
+
+    def gather_optimizer_states(self, local: list) -> list:
+        return local
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
@@ -176,8 +185,11 @@ class ClusterController:
     """
 
     def __init__(self, cfg: Config, model: torch.nn.Module, data: CorpusData, logger: TrainingLogger,
-                 weights_dir: Path, resume: Checkpoint | None = None, stop: StopSignals | None = None) -> None:
+                 weights_dir: Path, resume: Checkpoint | None = None, stop: StopSignals | None = None,
+                 dist_env=None) -> None:
         self.cfg, self.data, self.logger, self.weights_dir = cfg, data, logger, weights_dir
+        self.dist_env = dist_env  # torchrun: this process runs node dist_env.rank only
+        self.writes = dist_env is None or dist_env.is_main  # only rank 0 writes checkpoints
         self.stop = stop or StopSignals()
         algo = TRAINERS[cfg.distributed_algo]
         make_optimizer = algo.inner_optimizer_factory(cfg)
@@ -191,25 +203,46 @@ class ClusterController:
         self.injected = cfg.injected_faults()
         resume_state = resume.resume_state() if resume is not None else None
         self.nodes: list[Node] = []
-        for device in cfg.devices:
-            if resume_state is not None:
-                max_batch = resume_state["nodes"][len(self.nodes)]["max_batch"]  # as decided in the first run
-            elif cfg.max_batch_size:
-                max_batch = cfg.max_batch_size
-            else:
-                max_batch = find_max_batch_size(model, make_optimizer, device, cfg.seq_len,
-                                                padding_percentage=cfg.padding_percentage,
-                                                nodes_per_gpu=cfg.nodes_per_gpu,
-                                                device_memory_mb=cfg.device_memory_mb,
-                                                upper=min(cfg.max_requested_batch, len(data.train)),
-                                                num_cpu_devices=cfg.devices.count("cpu"))
+        local = None if dist_env is None else dist_env.rank
+        probed: dict[int, int] = {}
+        for configured in cfg.devices:
             for _ in range(cfg.nodes_per_gpu):
-                node = Node(len(self.nodes), device, replicate(model, device), make_optimizer, cfg.grad_clip,
-                            data.train)
+                node_id = len(self.nodes)
+                mine = local is None or node_id == local
+                device = configured
+                if local is not None and mine:
+                    from distributed.torchrun import device_of
+
+                    device = device_of(cfg, dist_env)  # cuda:LOCAL_RANK on a multi-GPU machine
+                if resume_state is not None:
+                    max_batch = resume_state["nodes"][node_id]["max_batch"]  # as decided in the first run
+                elif cfg.max_batch_size:
+                    max_batch = cfg.max_batch_size
+                elif not mine:
+                    max_batch = 0  # probed by its own process, shared below
+                else:
+                    key = node_id // cfg.nodes_per_gpu
+                    if key not in probed:
+                        probed[key] = find_max_batch_size(model, make_optimizer, device, cfg.seq_len,
+                                                          padding_percentage=cfg.padding_percentage,
+                                                          nodes_per_gpu=cfg.nodes_per_gpu,
+                                                          device_memory_mb=cfg.device_memory_mb,
+                                                          upper=min(cfg.max_requested_batch, len(data.train)),
+                                                          num_cpu_devices=cfg.devices.count("cpu"))
+                    max_batch = probed[key]
+                replica = replicate(model, device) if mine else None  # other processes hold the other nodes
+                node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train)
                 node.max_batch = max_batch
                 node.show_progress = cfg.inner_progress
                 node.stop = self.stop.event
                 self.nodes.append(node)
+        if local is not None and not (resume_state is not None or cfg.max_batch_size):
+            import torch.distributed as dist
+
+            found: list = [None] * len(self.nodes)
+            dist.all_gather_object(found, self.nodes[local].max_batch)
+            for node, max_batch in zip(self.nodes, found):
+                node.max_batch = max_batch
         log.info("nodes: %s", ", ".join(f"{n.node_id}@{n.device} (max batch {n.max_batch})" for n in self.nodes))
         initial = float_state(model)
         parameter_names = {n for n, _ in model.named_parameters()}
@@ -220,8 +253,18 @@ class ClusterController:
         self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
         # (trainer, weights version) each node holds; None = the common initial weights
         self.holds: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
-        self.evaluator = Evaluator(replicate(model, cfg.devices[0]), data.val, cfg.eval_batch_size, cfg.devices[0])
-        self.backend = RoundBackend(self.nodes, use_threads(cfg))
+        eval_device = cfg.devices[0] if local is None else self.nodes[local].device
+        self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device)
+        if local is None:
+            self.backend = RoundBackend(self.nodes, use_threads(cfg))
+        else:
+            from distributed.backend import DistributedBackend
+
+            floats = float_state(model)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            shapes = {k: v.shape for k, v in floats.items()}
+            self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, trainable,
+                                              self.pool_within_nodes)
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
         self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
         self.tokens_total = 0
@@ -261,7 +304,11 @@ class ClusterController:
         set_rng_state(state["rng"])
 
     def state_dict(self) -> dict:
-        return {**self._round_state(), "outer_step": self.last_outer_step, "tokens_total": self.tokens_total,
+        """Everything a checkpoint holds besides the trainers (under torchrun: a collective, every rank calls it)."""
+        state = self._round_state()
+        if self.dist_env is not None:  # each process holds its own node's inner optimizer
+            state["optimizers"] = self.backend.gather_optimizer_states(state["optimizers"][self.dist_env.rank])
+        return {**state, "outer_step": self.last_outer_step, "tokens_total": self.tokens_total,
                 "best_seen": self.best_seen, "initial_metric": self.initial_metric,
                 "nodes": [{"max_batch": n.max_batch} for n in self.nodes], "logger": self.logger.counters(),
                 "wall_time": self.wall_before + time.time() - self._start}
@@ -279,8 +326,11 @@ class ClusterController:
         """A checkpoint of the state after outer step last_outer_step."""
         label = label or f"outer_step_{self.last_outer_step:04d}"
         template = self.evaluator.model if final_id is not None else None
-        path = save_checkpoint(self.weights_dir, label, self.last_outer_step, self.trainers, self.state_dict(),
-                               self.cfg.meaning_hash(), template, self.data.tokenizer, final_id)
+        state = self.state_dict()
+        path = self.weights_dir / label
+        if self.writes:
+            path = save_checkpoint(self.weights_dir, label, self.last_outer_step, self.trainers, state,
+                                   self.cfg.meaning_hash(), template, self.data.tokenizer, final_id)
         self.checkpointed_step = self.last_outer_step
         return path
 
@@ -390,8 +440,8 @@ class ClusterController:
             self.traffic.trainer_sync(len(res.nodes), self.param_bytes)
             evaluation = self.evaluator.evaluate(trainer.master)
             self._seen(evaluation.value)
-            decision = self.batch_test(self._gradient_samples(res), trainer.requested_batch, len(res.nodes),
-                                       tokens_seen=self.tokens_total)
+            samples = res.statistics if res.statistics is not None else self._gradient_samples(res)
+            decision = self.batch_test(samples, trainer.requested_batch, len(res.nodes), tokens_seen=self.tokens_total)
             trainer.requested_batch = decision.requested_batch
             s = trainer.stats
             s.sync_number += 1
@@ -438,6 +488,7 @@ class ClusterController:
     # -------------------------------------------------------------------------------------------
     def _stopped(self) -> RunStopped:
         """The stop request turned into a checkpoint of the last complete outer step."""
+        self.stop.signum = self.stop.signum or signal.SIGTERM  # under torchrun: another rank got the signal
         path = self.weights_dir / f"outer_step_{self.last_outer_step:04d}"
         if self.checkpointed_step != self.last_outer_step:
             path = self.save()
@@ -471,7 +522,7 @@ class ClusterController:
         self.stop.can_checkpoint = True
         try:
             for outer_step in bar:
-                if self.stop.requested:
+                if self.backend.agree(self.stop.requested):
                     raise self._stopped()
                 try:
                     rows = self.run_outer_step(outer_step)
@@ -500,7 +551,7 @@ class ClusterController:
                 if cfg.max_tokens and self.tokens_total >= cfg.max_tokens:
                     log.info("token budget reached: %d >= max_tokens %d", self.tokens_total, cfg.max_tokens)
                     break
-            if self.stop.requested:
+            if self.backend.agree(self.stop.requested):
                 raise self._stopped()
         finally:
             bar.close()

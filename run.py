@@ -16,7 +16,9 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -182,6 +184,11 @@ def _close_within(action, seconds: float, what: str) -> None:
 
 def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> tuple[Path, dict]:
     """Train from scratch, or continue `resume` = (run directory, checkpoint). Returns (run_dir, summary)."""
+    from distributed import torchrun
+
+    env = torchrun.from_environ()
+    if env is not None:
+        torchrun.check(cfg, env)
     check_devices(cfg)
     check_model_limits(cfg)
     # Heavy imports after validation, so config errors come back instantly.
@@ -197,23 +204,37 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stop = stop or StopSignals()
     checkpoint = None
+    writes = env is None or env.is_main  # under torchrun only rank 0 writes the run directory
+    if env is not None:
+        torchrun.init(cfg, env)
     if resume is not None:
         run_dir, checkpoint = resume
-    else:
+    elif env is None:
         run_dir = make_run_dir(cfg.log_dir, cfg.run_name, cfg.model_config.name, cfg.dataset)
+    else:
+        run_dir = torchrun.shared_run_dir(env, lambda: make_run_dir(cfg.log_dir, cfg.run_name,
+                                                                      cfg.model_config.name, cfg.dataset))
     lock = RunLock(run_dir)
-    lock.acquire()
+    if writes:
+        lock.acquire()
     logger = None
+    scratch = None if writes else Path(tempfile.mkdtemp(prefix="adloco_rank"))  # other ranks' logs go nowhere
     stop.install()
     try:
-        setup_logging(run_dir / cfg.log_file)
-        write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        setup_logging(run_dir / cfg.log_file if writes else None)
+        if not writes:
+            logging.getLogger().setLevel(logging.WARNING)
         resume_step = checkpoint.outer_step if checkpoint is not None else None
+        if writes:
+            write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            if checkpoint is not None:
+                cut_jsonl(run_dir / "metrics.jsonl", resume_step)
         if checkpoint is not None:
             log.info("resuming %s from %s (after outer step %d)", run_dir, checkpoint.path, resume_step)
-            cut_jsonl(run_dir / "metrics.jsonl", resume_step)
         else:
             log.info("run directory: %s", run_dir)
+        if env is not None:
+            log.info("torchrun: %d processes, this is rank %d (node %d)", env.world_size, env.rank, env.rank)
         for warning in cfg.warnings():
             log.warning("config: %s", warning)
         set_seeds(cfg.training_seed)
@@ -222,15 +243,21 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
         log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
                  count_parameters(model) / 1e6)
-        report_dir = run_dir / "model_training_report"
-        tracker = build_tracker(cfg, run_dir, resume_step)
+        out_dir = run_dir if writes else scratch
+        if writes:
+            tracker = build_tracker(cfg, run_dir, resume_step)
+        else:
+            from training_logs.trackers import TrackerGroup
+
+            tracker = TrackerGroup([])
         stop.install()  # again: ClearML's Task.init installs handlers of its own that swallow SIGTERM
         classification = data.val.labels is not None
-        memory = MemoryMonitor(run_dir / "memory_report", cfg.devices, tracker, cfg.memory_sample_interval_s,
-                               resume_step)
-        logger = TrainingLogger(report_dir, tracker, memory, "val_accuracy" if classification else "val_perplexity",
-                                classification, resume_step)
-        cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights", checkpoint, stop)
+        memory = MemoryMonitor(out_dir / "memory_report", cfg.devices, tracker, cfg.memory_sample_interval_s,
+                               resume_step if writes else None)
+        logger = TrainingLogger(out_dir / "model_training_report", tracker, memory,
+                                "val_accuracy" if classification else "val_perplexity", classification,
+                                resume_step if writes else None)
+        cluster = ClusterController(cfg, model, data, logger, run_dir / "model_weights", checkpoint, stop, env)
         summary = cluster.train()
         if stop.requested:
             log.warning("%s arrived during the final checkpoint; the run is complete", stop.name)
@@ -248,8 +275,15 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     finally:
         if logger is not None:
             _close_within(logger.close, TRACKER_CLOSE_TIMEOUT_S, "the trackers")
-        lock.release()
+        if writes:
+            lock.release()
         stop.uninstall()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if env is not None:
+            torchrun.finish()
+    if not writes:
+        return run_dir, summary
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     log.info("final model: trainer %d, %s %.4g (start %.4g); %d merges, %d batch increases, "
              "accumulation used: %s; %d rounds, %d syncs, %.1f MB communicated; %.0f s", summary["final_trainer"],

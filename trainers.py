@@ -61,9 +61,9 @@ class NodeResult:
 class Node:
     def __init__(self, node_id: int, device: str, model: torch.nn.Module, make_optimizer, grad_clip: float,
                  data: PackedData) -> None:
-        self.node_id, self.device, self.model = node_id, device, model
+        self.node_id, self.device, self.model = node_id, device, model  # model None: the node runs elsewhere
         self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self.optimizer: torch.optim.Optimizer | None = None
         self.max_batch = 0
         self.show_progress = False  # an inner-step progress bar (config inner_progress)
@@ -79,7 +79,7 @@ class Node:
                 "param_groups": state["param_groups"]}
 
     def load_optimizer_state(self, state: dict | None) -> None:
-        if state is None:
+        if state is None or self.model is None:
             self.optimizer = None
             return
         self.optimizer = self.make_optimizer(self.params)

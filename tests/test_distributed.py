@@ -1,12 +1,19 @@
 """Pieces of the torch.distributed path (issue 11), checked over a real gloo process group on CPU."""
 
+import csv
 import json
+import subprocess
+import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from algorithms.calc_batch import AugmentedInnerProductTest, GradientSamples, NodeGradientSums, NormTest, statistics_of
+from run import train
+from tests.conftest import ROOT
+from utils.config import load_config
 
 WORLD = 3
 SIZES = [[1.0, 2.0, 3.0], [2.0, 2.0], [4.0, 1.0, 1.0, 2.0]]  # unequal micro-batches on each node
@@ -61,3 +68,64 @@ def test_batch_tests_over_a_gloo_all_reduce_match_the_simulation(tmp_path):
             assert got["batch"] == expected.requested_batch > 1
             for key, value in expected.stats.items():
                 assert abs(got[key] - value) <= 1e-9 * abs(value), (within_node, name, key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole runs under torchrun (gloo, CPU) against the simulated cluster
+
+RUN = ["num_inner_steps=3", "num_init_trainers=4", "nodes_per_gpu=2", "devices=[cpu,cpu]", "seq_len=32", "val_size=8",
+       "eval_batch_size=8", "initial_batch_size=3", "max_batch_size=2", "ETA=0.3", "max_requested_batch=8",
+       "merge_frequency=2", "save_weights_every=2", "plot_every=2", "tokenizer=bpe", "tokenizer_vocab_size=512",
+       "embedded_sources=[tiny]", "clearml_mode=off", "num_outer_steps=6", "outer_momentum=0.9",
+       "outer_nesterov=true"]
+
+
+def csv_rows(run_dir, name):
+    with (run_dir / "model_training_report" / name).open() as f:
+        return [{k: v for k, v in r.items() if k != "wall_time"} for r in csv.DictReader(f)]
+
+
+def assert_same_decisions(expected_dir, got_dir):
+    """Decisions identical (nodes, batches, merges); every number within 1e-4 relative."""
+    for name in ("training_log.csv", "merge_events.csv", "step_loss_log.csv"):
+        expected, got = csv_rows(expected_dir, name), csv_rows(got_dir, name)
+        assert len(expected) == len(got), name
+        for e, g in zip(expected, got):
+            for key in e:
+                if key in ("nodes", "merged", "survivor", "weights", "requested_batches", "requested_batch",
+                           "next_requested_batch", "loader_batch", "accumulation_steps", "trainer_id", "outer_step"):
+                    assert e[key] == g[key], (name, key)
+                elif e[key] != g[key]:
+                    assert float(g[key]) == pytest.approx(float(e[key]), rel=1e-4), (name, key)
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory, cache_dir):
+    log_dir = tmp_path_factory.mktemp("simulated")
+    run_dir, summary = train(load_config(ROOT / "config.yaml", [*RUN, f"cache_dir={cache_dir}", f"log_dir={log_dir}",
+                                                                "run_name=sim"]))
+    assert summary["merges"] == 3 and summary["accumulation_used"] and summary["batch_increases"] >= 1
+    return run_dir
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", *args, str(ROOT / "run.py")]
+
+
+def test_torchrun_four_processes_equal_the_simulated_cluster(simulated, tmp_path, cache_dir):
+    proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *RUN, f"cache_dir={cache_dir}",
+                           f"log_dir={tmp_path}", "run_name=dist"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_decisions(simulated, tmp_path / "dist")
+    assert "torchrun: 4 processes" in (tmp_path / "dist" / "training_log.log").read_text()
+
+
+def test_torchrun_world_size_must_match_the_config(tmp_path, cache_dir):
+    proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "2"), *RUN, f"cache_dir={cache_dir}",
+                           f"log_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert lines and all("torchrun started 2 processes, but devices x nodes_per_gpu = 2 x 2 = 4" in x for x in lines)
+    # torchrun prints its own ChildFailedError report; no traceback comes from our processes
+    assert f'{ROOT / "run.py"}", line' not in proc.stderr and "ChildFailedError" in proc.stderr

@@ -163,6 +163,8 @@ class Config:
     inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.")
     memory_sample_interval_s: float = _f(0.05, "How often the memory monitor samples RSS during a round.",
                                          min=0.001, max=60.0)
+    dist_timeout_s: float = _f(600.0, "Under torchrun: seconds a collective may wait for the other processes before "
+                               "the run ends with an error naming the operation (a hung or dead rank).", min=1.0)
     # --- faults ---
     on_node_fault: str = _f("stop", "What a node fault (non-finite loss or weights, or an exception in a node) "
                             "does: stop (checkpoint the last good state and exit with one line naming outer step, "
@@ -302,6 +304,7 @@ RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
     "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
     "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
+    "dist_timeout_s",
 })
 
 

@@ -1,0 +1,85 @@
+"""Running under torchrun: one node per process (rank), gloo on CPU, NCCL on CUDA.
+
+    torchrun --standalone --nproc-per-node 4 run.py [key=value ...]
+
+torchrun is detected from its environment (RANK, WORLD_SIZE, LOCAL_RANK). The world size must equal
+devices x nodes_per_gpu: rank r runs node r, on its device (cpu, or cuda:LOCAL_RANK).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from utils.config import Config
+from utils.errors import ConfigError, UserError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def from_environ() -> DistEnv | None:
+    """The torchrun environment of this process, or None when it was not started by torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return None
+    try:
+        return DistEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+    except (KeyError, ValueError):
+        return None
+
+
+def check(cfg: Config, env: DistEnv) -> None:
+    if env.world_size != cfg.total_nodes:
+        raise ConfigError("nodes_per_gpu", f"torchrun started {env.world_size} processes, but devices x nodes_per_gpu "
+                          f"= {len(cfg.devices)} x {cfg.nodes_per_gpu} = {cfg.total_nodes} nodes; each process runs "
+                          f"one node: use --nproc-per-node {cfg.total_nodes} (times machines) or change devices / "
+                          "nodes_per_gpu")
+
+
+def device_of(cfg: Config, env: DistEnv) -> str:
+    """Rank r runs node r on its configured device; a CUDA node uses the GPU of its local rank."""
+    device = cfg.devices[env.rank // cfg.nodes_per_gpu]
+    return f"cuda:{env.local_rank}" if device.startswith("cuda") else "cpu"
+
+
+def init(cfg: Config, env: DistEnv) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if device_of(cfg, env).startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+
+
+def shared_run_dir(env: DistEnv, make: Callable[[], Path]) -> Path:
+    """Rank 0 makes the run directory and tells the others (its error too, so no rank waits for nothing)."""
+    import torch.distributed as dist
+
+    message: list = [None]
+    if env.is_main:
+        try:
+            message[0] = ("ok", str(make()))
+        except UserError as exc:
+            message[0] = ("error", str(exc))
+    dist.broadcast_object_list(message, src=0)
+    status, value = message[0]
+    if status == "error":
+        raise UserError(value)
+    return Path(value)
+
+
+def finish() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
