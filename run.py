@@ -306,7 +306,16 @@ def main(argv: list[str] | None = None) -> int:
             cfg, checkpoint = resume_config(run_dir, args.overrides, args.config)
             train(cfg, (run_dir, checkpoint), stop)
         else:
-            train(load_config(args.config or "config.yaml", args.overrides), None, stop)
+            from distributed.torchrun import restarted_run
+
+            cfg = load_config(args.config or "config.yaml", args.overrides)
+            run_dir = restarted_run(cfg.log_dir)  # torchrun --max-restarts: continue where the group died
+            if run_dir is not None:
+                print(f"torchrun restarted the processes: resuming {run_dir}", file=sys.stderr)
+                cfg, checkpoint = resume_config(run_dir, [], None)
+                train(cfg, (run_dir, checkpoint), stop)
+            else:
+                train(cfg, None, stop)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

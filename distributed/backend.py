@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned
+from utils.errors import UserError
 
 
 class DistributedBackend:
@@ -48,6 +49,12 @@ class DistributedBackend:
         return out
 
     def run_round(self, jobs: list[NodeJob]):
+        try:
+            return self._run_round(jobs)
+        except RuntimeError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
+            raise collective_failed(self.rank, exc) from None
+
+    def _run_round(self, jobs: list[NodeJob]):
         from cluster import RoundResult, check_finite
 
         job = next(j for j in jobs if j.node_id == self.rank)
@@ -111,13 +118,29 @@ class DistributedBackend:
     def agree(self, flag: bool) -> bool:
         """True on every rank when it is true on any (a stop request reaches ranks at different times)."""
         value = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        except RuntimeError as exc:
+            raise collective_failed(self.rank, exc) from None
         return bool(value.item())
 
     def gather_optimizer_states(self, local: dict | None) -> list:
         states: list = [None] * dist.get_world_size()
-        dist.all_gather_object(states, local)
+        try:
+            dist.all_gather_object(states, local)
+        except RuntimeError as exc:
+            raise collective_failed(self.rank, exc) from None
         return states
 
     def close(self) -> None:
         pass
+
+
+def collective_failed(rank: int, exc: RuntimeError) -> UserError:
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    hung = "timed out" in detail.lower() or "timeout" in detail.lower()
+    why = "a process did not answer within dist_timeout_s (hung?)" if hung else "another process died"
+    error = UserError(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
+                      "the group restarts and resumes from the latest checkpoint")
+    error.exit_code = 1
+    return error

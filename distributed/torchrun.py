@@ -57,8 +57,17 @@ def init(cfg: Config, env: DistEnv) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if device_of(cfg, env).startswith("cuda") else "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
+    # A store prefix per restart: after torchrun restarts the group, keys the dead processes wrote (their
+    # addresses) must not be read by the new ones.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=env.rank == 0 and not agent_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"adloco/attempt_{attempt}", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
 
 
 def shared_run_dir(env: DistEnv, make: Callable[[], Path]) -> Path:
@@ -68,7 +77,11 @@ def shared_run_dir(env: DistEnv, make: Callable[[], Path]) -> Path:
     message: list = [None]
     if env.is_main:
         try:
-            message[0] = ("ok", str(make()))
+            run_dir = make()
+            message[0] = ("ok", str(run_dir))
+            marker = restart_marker(run_dir.parent)
+            if marker is not None:  # where a restarted group finds this run
+                marker.write_text(str(run_dir))
         except UserError as exc:
             message[0] = ("error", str(exc))
     dist.broadcast_object_list(message, src=0)
@@ -83,3 +96,20 @@ def finish() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def restart_marker(log_dir: Path) -> Path | None:
+    """log_dir/.torchrun-<run id>: the run directory of this torchrun job (its id survives restarts)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return log_dir / f".torchrun-{run_id}" if run_id else None
+
+
+def restarted_run(log_dir: str) -> Path | None:
+    """After torchrun restarted the group (--max-restarts): the run directory to resume, if it has one."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1:
+        return None
+    marker = restart_marker(Path(log_dir).expanduser())
+    if marker is None or not marker.is_file():
+        return None
+    run_dir = Path(marker.read_text().strip())
+    return run_dir if any((run_dir / "model_weights").glob("*/manifest.json")) else None

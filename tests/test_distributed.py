@@ -2,9 +2,13 @@
 
 import csv
 import json
+import signal
+import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -129,3 +133,43 @@ def test_torchrun_world_size_must_match_the_config(tmp_path, cache_dir):
     assert lines and all("torchrun started 2 processes, but devices x nodes_per_gpu = 2 x 2 = 4" in x for x in lines)
     # torchrun prints its own ChildFailedError report; no traceback comes from our processes
     assert f'{ROOT / "run.py"}", line' not in proc.stderr and "ChildFailedError" in proc.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_of_two_processes_equal_the_simulated_cluster(simulated, tmp_path, cache_dir):
+    """Two torchrun invocations, as on two machines, meeting at a c10d rendezvous on 127.0.0.1."""
+    launch = [*torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}", "--rdzv-id", "two_machines"),
+              *RUN, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=two"]
+    machines = [subprocess.Popen(launch, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    for machine in machines:
+        _, err = machine.communicate(timeout=600)
+        assert machine.returncode == 0, err[-3000:]
+    assert_same_decisions(simulated, tmp_path / "two")
+
+
+def test_a_killed_rank_is_restarted_and_the_run_resumes(simulated, tmp_path, cache_dir):
+    """SIGKILL of rank 2 after the step-2 checkpoint; torchrun --max-restarts 1 restarts the group, which
+    resumes from the checkpoint and ends as the uninterrupted run."""
+    proc = subprocess.Popen([*torchrun("--standalone", "--nproc-per-node", "4", "--max-restarts", "1"), *RUN,
+                             f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=elastic"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoint = tmp_path / "elastic" / "model_weights" / "outer_step_0002" / "manifest.json"
+    deadline = time.time() + 300
+    while not checkpoint.is_file():
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint"
+        time.sleep(0.2)
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "run.py" in " ".join(c.cmdline())]
+    (victim,) = [w for w in workers if w.environ().get("RANK") == "2"]
+    victim.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"torchrun restarted the processes: resuming {tmp_path / 'elastic'}" in err
+    assert "a collective failed, another process died" in err  # what the surviving ranks said
+    assert_same_decisions(simulated, tmp_path / "elastic")
