@@ -406,6 +406,10 @@ class ClusterController:
             raise
         finally:
             self.logger.memory.end_round(outer_step)
+        comm = getattr(self.backend, "round_comm", None)
+        if comm is not None:  # torchrun: what this round's collectives cost on this rank (in metrics.jsonl)
+            self.logger.tracker.log({"comm/seconds": comm["seconds"], "comm/payload_mb": comm["payload_bytes"] / 1e6},
+                                    outer_step)
         if faults:
             self._handle_faults(outer_step, faults, before, any_result=bool(results))
         self.logger.log_step_losses([

@@ -15,6 +15,8 @@ groups (less traffic) are the next step.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -49,10 +51,17 @@ class DistributedBackend:
         return out
 
     def run_round(self, jobs: list[NodeJob]):
+        self.round_comm = {"seconds": 0.0, "payload_bytes": 0}  # this round's collectives (benchmarks read it)
         try:
             return self._run_round(jobs)
         except RuntimeError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
             raise collective_failed(self.rank, exc) from None
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        self.round_comm["seconds"] += time.perf_counter() - start
+        self.round_comm["payload_bytes"] += tensor.numel() * tensor.element_size()
 
     def _run_round(self, jobs: list[NodeJob]):
         from cluster import RoundResult, check_finite
@@ -85,7 +94,7 @@ class DistributedBackend:
             members = [f for f in facts if f["trainer_id"] == t and f["losses"] is not None]
             mine = good and job.trainer_id == t
             weights = self._flat(outcome.state if mine else None)
-            dist.all_reduce(weights)
+            self._all_reduce(weights)
             stats = self._statistics(outcome if mine else None, any(f["has_samples"] for f in members))
             if not members:
                 continue
@@ -107,12 +116,12 @@ class DistributedBackend:
             buffer = share.pack()
         else:
             buffer = torch.zeros(2 * self.grad_numel + 7, dtype=torch.float64)
-        dist.all_reduce(buffer)
+        self._all_reduce(buffer)
         total = NodeGradientSums.unpack(buffer)
         mean = total.weighted_sum / total.batch
         inner = torch.tensor([share.inner_sum(outcome.grad_samples, outcome.sample_batches, mean, self.within_node)
                               if have else 0.0], dtype=torch.float64)
-        dist.all_reduce(inner)
+        self._all_reduce(inner)
         return total.statistics(float(inner), self.within_node)
 
     def agree(self, flag: bool) -> bool:

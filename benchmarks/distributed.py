@@ -1,0 +1,91 @@
+"""Simulated cluster vs torchrun: wall time per round, and communication time against bytes per round.
+
+    python -m benchmarks.distributed [--out benchmarks/results/distributed] [--steps 5] [key=value ...]
+
+Runs the same config twice, 2 nodes each: in one process (the simulation, nodes in turn) and under
+`torchrun --standalone --nproc-per-node 2` (gloo, one node per process). Per round it reads the wall
+time from training_log.csv and, for torchrun, the seconds and payload bytes of rank 0's collectives
+(metrics.jsonl, comm/*). Both runs must take the same decisions; the script checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ["devices=[cpu]", "nodes_per_gpu=2", "num_init_trainers=2", "merge_frequency=3", "num_inner_steps=10",
+          "max_batch_size=4", "clearml_mode=off", "save_weights_every=0", "plot_every=100"]
+
+
+def run(cmd: list[str], out: Path) -> float:
+    start = time.time()
+    with out.open("w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {out}")
+    return time.time() - start
+
+
+def per_round(run_dir: Path) -> list[float]:
+    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    walls = sorted({int(r["outer_step"]): float(r["wall_time"]) for r in rows}.items())
+    return [b - a for (_, a), (_, b) in zip(walls, walls[1:])]
+
+
+def decisions(run_dir: Path) -> list[tuple]:
+    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+        return [(r["outer_step"], r["trainer_id"], r["nodes"], r["requested_batch"], r["next_requested_batch"])
+                for r in csv.DictReader(f)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "distributed"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    config = [*CONFIG, f"num_outer_steps={args.steps}", f"log_dir={out / 'runs'}", *args.overrides]
+    total = {
+        "simulated": run([sys.executable, "run.py", *config, "run_name=simulated"], out / "runs" / "simulated.out"),
+        "torchrun": run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "run.py", *config, "run_name=torchrun"], out / "runs" / "torchrun.out"),
+    }
+    sim, dist = out / "runs" / "simulated", out / "runs" / "torchrun"
+    same = decisions(sim) == decisions(dist)
+    comm = [json.loads(line) for line in (dist / "metrics.jsonl").read_text().splitlines()]
+    comm = [r["metrics"] for r in comm if "comm/seconds" in r["metrics"]]
+    result = {
+        "config": config, "same_decisions": same, "process_wall_s": total,
+        "round_s": {"simulated": per_round(sim), "torchrun": per_round(dist)},
+        "comm_s_per_round": [c["comm/seconds"] for c in comm],
+        "comm_payload_mb_per_round": [c["comm/payload_mb"] for c in comm],
+    }
+    sim_round, dist_round = (statistics.median(result["round_s"][k]) for k in ("simulated", "torchrun"))
+    comm_s = statistics.median(result["comm_s_per_round"])
+    payload = statistics.median(result["comm_payload_mb_per_round"])
+    lines = [
+        "| | simulated (1 process) | torchrun (2 processes, gloo) |", "|---|---|---|",
+        f"| median wall time per round | {sim_round:.2f} s | {dist_round:.2f} s ({dist_round / sim_round:.2f}x) |",
+        f"| whole command (start-up included) | {total['simulated']:.0f} s | {total['torchrun']:.0f} s |",
+        f"| collectives per round (rank 0) | - | {comm_s * 1000:.0f} ms for {payload:.1f} MB of payload "
+        f"({payload / max(comm_s, 1e-9):.0f} MB/s) |",
+        f"| same decisions | {'yes' if same else 'NO'} | |",
+    ]
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
