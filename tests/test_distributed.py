@@ -173,3 +173,24 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes(simulated, tmp_path, cac
     assert f"torchrun restarted the processes: resuming {tmp_path / 'elastic'}" in err
     assert "a collective failed, another process died" in err  # what the surviving ranks said
     assert_same_decisions(simulated, tmp_path / "elastic")
+
+
+def test_sigterm_under_torchrun_stops_every_rank_and_resumes_under_torchrun(simulated, tmp_path, cache_dir):
+    args = [*RUN, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=sig"]
+    proc = subprocess.Popen([*torchrun("--standalone", "--nproc-per-node", "4"), *args, "num_outer_steps=40"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "sig" / "training_log.log"
+    deadline = time.time() + 300
+    while not (log.is_file() and "[outer 3/" in log.read_text()):
+        assert time.time() < deadline and proc.poll() is None, "no step 3"
+        time.sleep(0.2)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every rank
+    _, err = proc.communicate(timeout=120)
+    assert time.time() - sent < 30
+    stops = [x for x in err.splitlines() if x.startswith("stopped by SIGTERM after outer step")]
+    assert len(stops) == 4 and len(set(stops)) == 1  # every rank stopped at the same step
+    resumed = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), "--resume", str(tmp_path / "sig"),
+                              f"num_outer_steps={6}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_decisions(simulated, tmp_path / "sig")
