@@ -76,6 +76,21 @@ def check_finite(result: NodeResult) -> NodeFault | None:
     return None
 
 
+def run_node(node: Node, job: NodeJob) -> NodeResult | NodeFault:
+    """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes)."""
+    try:
+        result = node.run(job)
+    except RoundAbandoned:
+        raise
+    except Exception as exc:  # a node fault, handled by the on_node_fault policy
+        log.debug("node %d failed", job.node_id, exc_info=True)
+        return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
+    fault = check_finite(result)
+    if fault is not None and job.inject_fault:
+        fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
+    return fault or result
+
+
 def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
@@ -111,17 +126,7 @@ class RoundBackend:
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
     def _run_one(self, job: NodeJob) -> NodeResult | NodeFault:
-        try:
-            result = self.nodes[job.node_id].run(job)
-        except RoundAbandoned:
-            raise
-        except Exception as exc:  # a node fault, handled by the on_node_fault policy
-            log.debug("node %d failed", job.node_id, exc_info=True)
-            return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
-        fault = check_finite(result)
-        if fault is not None and job.inject_fault:
-            fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
-        return fault or result
+        return run_node(self.nodes[job.node_id], job)
 
     def run_round(self, jobs: list[NodeJob]) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         if self.pool is None:

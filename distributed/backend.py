@@ -64,19 +64,14 @@ class DistributedBackend:
         self.round_comm["payload_bytes"] += tensor.numel() * tensor.element_size()
 
     def _run_round(self, jobs: list[NodeJob]):
-        from cluster import RoundResult, check_finite
+        from cluster import RoundResult, run_node
 
         job = next(j for j in jobs if j.node_id == self.rank)
         abandoned, outcome = False, None
         try:
-            outcome = self.nodes[self.rank].run(job)
-            outcome = check_finite(outcome) or outcome
+            outcome = run_node(self.nodes[self.rank], job)
         except RoundAbandoned:
             abandoned = True
-        except Exception as exc:  # a node fault, handled by the on_node_fault policy
-            outcome = self._fault_type(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
-        if isinstance(outcome, self._fault_type) and job.inject_fault and outcome.kind == "nan":
-            outcome.message = f"non-finite loss (inject_fault: {job.inject_fault})"
         good = isinstance(outcome, NodeResult)
         fact = {"node_id": job.node_id, "trainer_id": job.trainer_id, "abandoned": abandoned,
                 "fault": None if good or abandoned else vars(outcome),

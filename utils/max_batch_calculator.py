@@ -80,9 +80,9 @@ def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int
     """
     static = _static_bytes(model, make_optimizer, seq_len)
     model.train()
-    if static + _activation_bytes(model, seq_len, 1) > budget_bytes:
-        return 0
     one = _activation_bytes(model, seq_len, 1)
+    if static + one > budget_bytes:
+        return 0
     per_sequence = max(_activation_bytes(model, seq_len, 2) - one, 1) if static + 2 * one <= budget_bytes else one
 
     def predicted(b: int) -> float:
