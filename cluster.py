@@ -1,9 +1,14 @@
 """The simulated cluster: devices hosting nodes, node assignment, rounds, merges and the outer loop.
 
-The seam for a real multi-process backend is `RoundBackend.run_round(jobs) -> {trainer: RoundResult}`:
-it executes one round of node jobs and combines their results (the mean of the node weights, in
-fp32, summed in node-id order so the result never depends on thread timing). A torch.distributed
-backend would implement the same method with an all-reduce; algorithms/ and trainers.py stay as they are.
+The controller takes every decision; a backend executes what crosses nodes:
+- `run_round(jobs) -> ({trainer: RoundResult}, faults)`: one round of node jobs, combined (the mean of
+  the node weights in fp32, summed in node-id order so the result never depends on thread timing);
+- `transfer(moves)`: a trainer's state travelling to a node that does not hold it;
+- `evaluate(holders)`: each trainer evaluated where its state is;
+- `agree(flag)`: a flag that is true everywhere once true anywhere.
+`RoundBackend` runs the nodes in this process (threads or a loop; transfers are no-ops, every trainer's
+state is here). Under torchrun, `distributed/backend.py` runs one node per process and implements the
+same methods with collectives; algorithms/ and trainers.py are the same for both.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from algorithms.policies import build_merge_policy
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
-from fabrics.eval_tool import Evaluator
+from fabrics.eval_tool import EvalResult, Evaluator
 from fabrics.models import float_state, replicate
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
@@ -151,6 +156,18 @@ class RoundBackend:
     def gather_optimizer_states(self, local: list) -> list:
         return local
 
+    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights") -> None:
+        """Every trainer's state is in this process: nothing travels (Traffic counts what would)."""
+
+    def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator: Evaluator) -> dict:
+        return {t: evaluator.evaluate(weights) for t, (_, weights) in holders.items()}
+
+    def take_round_comm(self) -> dict | None:
+        return None
+
+    def total_sent(self) -> dict[str, int] | None:
+        return None
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown()
@@ -263,13 +280,15 @@ class ClusterController:
         if local is None:
             self.backend = RoundBackend(self.nodes, use_threads(cfg))
         else:
+            from distributed import torchrun
             from distributed.backend import DistributedBackend
 
             floats = float_state(model)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             shapes = {k: v.shape for k, v in floats.items()}
             self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, trainable,
-                                              self.pool_within_nodes)
+                                              self.pool_within_nodes, torchrun.comm_device(cfg, dist_env),
+                                              torchrun.store())
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
         self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
         self.tokens_total = 0
@@ -331,6 +350,8 @@ class ClusterController:
         """A checkpoint of the state after outer step last_outer_step."""
         label = label or f"outer_step_{self.last_outer_step:04d}"
         template = self.evaluator.model if final_id is not None else None
+        # under torchrun, rank 0 writes every trainer: those it does not hold come to it first
+        self.backend.transfer([(t, self._holder(t), 0) for t in sorted(self.trainers)], self.trainers, "checkpoint")
         state = self.state_dict()
         path = self.weights_dir / label
         if self.writes:
@@ -340,6 +361,16 @@ class ClusterController:
         return path
 
     # -------------------------------------------------------------------------------------------
+    def _holder(self, trainer_id: int) -> int:
+        """The lowest node holding this trainer's current state (under torchrun: a process that has it).
+        No node yet: every process has it (the common initial weights, or a checkpoint all loaded)."""
+        version = (trainer_id, self.trainers[trainer_id].weights_version)
+        return min((n for n, held in self.holds.items() if held == version), default=0)
+
+    def _evaluate(self, trainer_ids) -> dict[int, EvalResult]:
+        holders = {t: (self._holder(t), self.trainers[t].master) for t in trainer_ids}
+        return self.backend.evaluate(holders, self.evaluator)
+
     def _seen(self, value: float) -> None:
         better = self.best_seen is None or (value > self.best_seen) == self.evaluator.higher_is_better
         if math.isfinite(value) and better:
@@ -356,17 +387,20 @@ class ClusterController:
         return GradientSamples(torch.cat(grads), torch.cat(sizes), torch.tensor(groups))
 
     # -------------------------------------------------------------------------------------------
-    def _jobs(self, outer_step: int) -> list[NodeJob]:
+    def _jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
+        """This round's node jobs, and the moves (trainer, from node, to node) that must come first."""
         cfg = self.cfg
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         assignment = assign_nodes(node_counts(requested, len(self.nodes)), self.owner)
-        jobs = []
+        jobs, moves = [], []
+        sources = {t: self._holder(t) for t in assignment}  # before this round changes holds
         for t in sorted(assignment):
             trainer = self.trainers[t]
             version = (t, trainer.weights_version)
             for node_id in assignment[t]:
                 if self.holds[node_id] not in (None, version):
                     self.traffic.node_move(trainer.transfer_bytes())  # the node receives this trainer's state
+                    moves.append((t, sources[t], node_id))
                 self.holds[node_id] = version
                 node = self.nodes[node_id]
                 loader_batch, accumulation = self.switch_mode.decide(trainer.requested_batch, node.max_batch)
@@ -379,7 +413,7 @@ class ClusterController:
         for t, node_ids in assignment.items():
             for node_id in node_ids:
                 self.owner[node_id] = t
-        return jobs
+        return jobs, moves
 
     def _handle_faults(self, outer_step: int, faults: list[NodeFault], before: dict, any_result: bool) -> None:
         """on_node_fault: stop -> back to the last good state and raise; skip -> log, reset the failed nodes."""
@@ -400,21 +434,22 @@ class ClusterController:
     def run_outer_step(self, outer_step: int) -> list[dict]:
         """One round for every trainer, outer steps, evaluation, batch tests; returns the metric rows."""
         before = self._round_state()
-        jobs = self._jobs(outer_step)
+        jobs, moves = self._jobs(outer_step)
         # (loader_batch, accumulation_steps) each node ran, read off its job's index tensor
         plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
         self.logger.memory.begin_round(outer_step)
         try:
+            self.backend.transfer(moves, self.trainers)
             results, faults = self.backend.run_round(jobs)
         except RoundAbandoned:
             self._restore_round(before)
             raise
         finally:
             self.logger.memory.end_round(outer_step)
-        comm = getattr(self.backend, "round_comm", None)
-        if comm is not None:  # torchrun: what this round's collectives cost on this rank (in metrics.jsonl)
-            self.logger.tracker.log({"comm/seconds": comm["seconds"], "comm/payload_mb": comm["payload_bytes"] / 1e6},
-                                    outer_step)
+        comm = self.backend.take_round_comm()
+        if comm is not None:  # torchrun: what this rank's collectives cost since the last round (metrics.jsonl)
+            self.logger.tracker.log({"comm/seconds": comm["seconds"], "comm/weights_mb": comm["weights_bytes"] / 1e6,
+                                     "comm/statistics_mb": comm["statistics_bytes"] / 1e6}, outer_step)
         if faults:
             self._handle_faults(outer_step, faults, before, any_result=bool(results))
         self.logger.log_step_losses([
@@ -424,11 +459,26 @@ class ClusterController:
             for i, loss in enumerate(losses)])
         self.traffic.rounds += 1
         self.tokens_total += sum(res.tokens for res in results.values())
+        trainer_ids = sorted({j.trainer_id for j in jobs})
+        failed = {}
+        for t, res in sorted(results.items()):
+            if res.node_mean is None:  # torchrun: this process is not one of t's nodes (it gets t when it joins)
+                continue
+            try:
+                self.trainers[t].outer_step(res.node_mean)
+            except FloatingPointError as exc:
+                failed[t] = exc
+        if self.backend.agree(bool(failed)):  # earlier trainers already stepped: this state is not checkpointed
+            detail = f"trainer {min(failed)}: {failed[min(failed)]}" if failed else "in another process"
+            fault = TrainingFault(f"fault at outer step {outer_step}, {detail}")
+            fault.state_is_good = False
+            raise fault
+        evaluations = self._evaluate(trainer_ids)
         rows = []
-        for t in sorted({j.trainer_id for j in jobs}):
+        for t in trainer_ids:
             trainer = self.trainers[t]
+            evaluation = evaluations[t]
             if t not in results:  # every node of this trainer failed: it keeps its weights this round
-                evaluation = self.evaluator.evaluate(trainer.master)
                 node_ids = [j.node_id for j in jobs if j.trainer_id == t]
                 loader_batch, accumulation = plan[node_ids[0]]
                 rows.append({"outer_step": outer_step, "trainer_id": t, "nodes": "", "num_nodes": 0,
@@ -440,14 +490,7 @@ class ClusterController:
                 continue
             res = results[t]
             requested_before = trainer.requested_batch
-            try:
-                trainer.outer_step(res.node_mean)
-            except FloatingPointError as exc:  # earlier trainers already stepped: this state is not checkpointed
-                fault = TrainingFault(f"fault at outer step {outer_step}, trainer {t}: {exc}")
-                fault.state_is_good = False
-                raise fault from None
             self.traffic.trainer_sync(len(res.nodes), self.param_bytes)
-            evaluation = self.evaluator.evaluate(trainer.master)
             self._seen(evaluation.value)
             samples = res.statistics if res.statistics is not None else self._gradient_samples(res)
             decision = self.batch_test(samples, trainer.requested_batch, len(res.nodes), tokens_seen=self.tokens_total)
@@ -473,17 +516,18 @@ class ClusterController:
         plan = self.merge_policy.plan(requested)
         survivor = self.trainers[plan.survivor]
         others = [self.trainers[m] for m in plan.members[1:]]
-        moved = sum(o.transfer_bytes() for o in others)  # the absorbed states travel to the survivor's first node
-        survivor.absorb(others, list(plan.weights))
+        # the absorbed states travel to the survivor's first node, which computes the average
+        coordinator = min((n for n, t in self.owner.items() if t == plan.survivor), default=self._holder(plan.survivor))
+        moved = sum(o.transfer_bytes() for o in others)
+        self.backend.transfer([(m, self._holder(m), coordinator) for m in plan.members[1:]], self.trainers)
+        survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used
         for other in others:
             del self.trainers[other.trainer_id]
             survivor.stats.tokens_seen += other.stats.tokens_seen
             survivor.stats.optimizer_steps += other.stats.optimizer_steps
         self.traffic.merge(moved)
-        coordinator = min((n for n, t in self.owner.items() if t == plan.survivor), default=None)
-        if coordinator is not None:  # it computed the average, so it holds the merged weights
-            self.holds[coordinator] = (plan.survivor, survivor.weights_version)
-        after = self.evaluator.evaluate(survivor.master).value  # does averaging hurt? measured, not assumed
+        self.holds[coordinator] = (plan.survivor, survivor.weights_version)  # the others receive it when they start
+        after = self._evaluate([plan.survivor])[plan.survivor].value  # does averaging hurt? measured, not assumed
         self._seen(after)
         return {"outer_step": outer_step, "survivor": plan.survivor,
                 "merged": " ".join(map(str, plan.members[1:])),
@@ -518,7 +562,7 @@ class ClusterController:
         self._start = time.time()
         first_step = self.last_outer_step + 1
         if self.initial_metric is None:
-            initial = self.evaluator.evaluate(next(iter(self.trainers.values())).master)
+            initial = self._evaluate([min(self.trainers)])[min(self.trainers)]
             self.initial_metric = initial.value
             log.info("outer step 0: %s %.4g (all trainers start from the same weights)", initial.name, initial.value)
             self.logger.log_initial(initial.metrics, list(self.trainers))
@@ -582,10 +626,11 @@ class ClusterController:
         return " | ".join(parts)
 
     def _finish(self, initial_metric: float, wall: float) -> dict:
-        scores = {t: self.evaluator.evaluate(tr.master).value for t, tr in self.trainers.items()}
+        scores = {t: result.value for t, result in self._evaluate(sorted(self.trainers)).items()}
         sign = -1 if self.evaluator.higher_is_better else 1
         final_id = min(scores, key=lambda t: (sign * scores[t], t))
         final = self.trainers[final_id]
+        sent = self.backend.total_sent()  # torchrun: what the collectives sent, all ranks together
         self.save("final", final_id)
         self.logger.plot(self.last_outer_step)
         summary = {
@@ -598,6 +643,8 @@ class ClusterController:
             "accumulation_used": self.logger.accumulation_used, "merges": self.logger.merges,
             "batch_increases": self.logger.batch_increases,
         }
+        if sent is not None:  # weights == bytes_communicated: the accounting is what was sent
+            summary["bytes_sent_by_collectives"] = sent
         if not math.isfinite(scores[final_id]):
             log.warning("final %s is not finite", self.evaluator.metric)
         return summary

@@ -123,6 +123,9 @@ class Node:
     def run(self, job: NodeJob) -> NodeResult:
         if job.inject_fault == "error":
             raise InjectedFault(f"inject_fault: error on node {self.node_id}")
+        while job.inject_fault == "hang":  # a stuck node: only a stop (or torchrun's kill) ends it
+            if self.stop.wait(0.1):
+                raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")
         if job.reset_optimizer or self.optimizer is None:
             self.optimizer = self.make_optimizer(self.params)
         load_float_state(self.model, job.master)
@@ -197,9 +200,22 @@ class Trainer:
         self.master = weighted_average([self.master] + [o.master for o in others], weights)
         self.weights_version += 1
 
+    def transfer_tensors(self) -> list[torch.Tensor]:
+        """What travels when this trainer's state moves to another node (fp32, in a fixed order): the
+        weights, then (DiLoCo) the outer momentum. The receiver copies into its own tensors in place."""
+        return [self.master[k] for k in sorted(self.master)]
+
     def transfer_bytes(self) -> int:
         """Bytes that move when this trainer's state travels to another node: fp32 weights (+ outer state)."""
         return sum(v.numel() * 4 for v in self.master.values())
+
+    @torch.no_grad()
+    def load_transfer(self, flat: torch.Tensor) -> None:
+        """Take the state another process sent (`transfer_tensors` concatenated)."""
+        start = 0
+        for tensor in self.transfer_tensors():
+            tensor.copy_(flat[start:start + tensor.numel()].view(tensor.shape))
+            start += tensor.numel()
 
     def state_dict(self) -> dict:
         return {"trainer_id": self.trainer_id, "algorithm": self.algorithm, "requested_batch": self.requested_batch,
@@ -294,10 +310,21 @@ class DiLoCoTrainer(Trainer):
                 avg = sum(w * (b if b is not None else torch.zeros_like(param)) for w, b in zip(weights, bufs))
                 self.outer_optimizer.state[param]["momentum_buffer"] = avg
 
+    def transfer_tensors(self):
+        tensors = super().transfer_tensors()
+        if self.cfg.outer_momentum > 0:
+            for name in sorted(self.parameter_names):
+                # Before the first outer step there is no buffer yet: a zero one steps identically
+                # (dampening 0: buf = 0 * momentum + grad), and the receiver's layout is known in advance.
+                state = self.outer_optimizer.state[self.master[name]]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(self.master[name], memory_format=torch.preserve_format)
+                tensors.append(state["momentum_buffer"])
+        return tensors
+
     def transfer_bytes(self) -> int:
-        buffers = [s["momentum_buffer"] for s in self.outer_optimizer.state.values()
-                   if s.get("momentum_buffer") is not None]
-        return super().transfer_bytes() + sum(b.numel() * 4 for b in buffers)
+        momentum = sum(self.master[n].numel() * 4 for n in self.parameter_names) if self.cfg.outer_momentum > 0 else 0
+        return super().transfer_bytes() + momentum
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "outer_optimizer": self.outer_optimizer.state_dict()}

@@ -1,46 +1,120 @@
 """The round on real processes: each rank runs its own node; collectives replace the in-process combine.
 
-Every rank runs the same controller (cluster.py) and so takes the same decisions; this backend gives it
-the same RoundResult the simulated backend builds, from collectives over the world group:
+Every rank runs the same controller (cluster.py) and so takes the same decisions from the same numbers.
+A trainer's weights and outer state live on the processes of its nodes only (`holds` in the controller
+says which). What crosses the network, per round:
 
-- the node facts (losses, tokens, faults, the stop flag) in one all_gather_object;
-- per trainer, one fp32 all-reduce (SUM) of its nodes' weights (other ranks add zeros), divided by
-  the number of good nodes: every rank gets every trainer's new weights, so all trainers stay
-  replicated and merges, evaluation and checkpoints need no further transfer;
-- per trainer, the batch test's sums (`NodeGradientSums.pack()`, one fp64 buffer) and one scalar.
+- the node facts (losses, tokens, faults, a stop) in one all_gather_object over the world;
+- per trainer, within its own process group (created identically on every rank, cached by member set):
+  one fp32 all-reduce (SUM) of the node weights, divided by the number of good nodes; every member then
+  applies the same outer step to its own copy. A one-node trainer sends nothing;
+- per trainer, the batch test's sums (`NodeGradientSums.pack()`, one fp64 buffer) and one scalar, within
+  the same group; the trainer's first node shares the resulting scalars with every rank (they take the
+  same decision);
+- `transfer`: a node that starts a round from a state it does not hold receives it from a process that
+  holds it (send/recv: exactly the trainer's `transfer_bytes`); merges bring the absorbed trainers'
+  states to the survivor's first node the same way, and checkpoints bring every trainer to rank 0.
+- `evaluate`: each trainer is evaluated by one process that holds it; the metrics are gathered.
 
-This first version keeps every trainer on every rank and uses world collectives; per-trainer process
-groups (less traffic) are the next step.
+`sent` counts what this rank's collectives send, by #7's definitions (ring all-reduce: 2 (n-1)/n of the
+payload per member; send/recv: the payload): weights traffic and batch-test statistics apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
-from trainers import Node, NodeJob, NodeResult, RoundAbandoned
+from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
 
 
 class DistributedBackend:
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
-                 grad_numel: int, within_node: bool) -> None:
+                 grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None) -> None:
         from cluster import NodeFault  # cluster imports this module lazily; no cycle at import time
 
         self._fault_type = NodeFault
         self.nodes, self.rank = nodes, rank
+        self.world_size = dist.get_world_size()
         self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
         self.numel = sum(shapes[n].numel() for n in names)
         self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters)
         self.within_node = within_node
+        self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
+        self.store, self.phase = store, 0  # arrival marks: who did not reach a collective (hung or dead)
+        self.groups: dict[tuple[int, ...], object] = {}
+        # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
+        # statistics, and trainers brought to rank 0 for checkpoints
+        self.sent = {"weights": 0.0, "statistics": 0.0, "checkpoint": 0.0}
+        self.round_comm = self._no_comm()
 
+    @staticmethod
+    def _no_comm() -> dict:
+        return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0}
+
+    def take_round_comm(self) -> dict:
+        """What the collectives since the last call cost this rank (seconds, bytes sent by kind)."""
+        comm, self.round_comm = self.round_comm, self._no_comm()
+        return comm
+
+    # -------------------------------------------------------------------------------------------
+    def _group(self, members: tuple[int, ...]):
+        """The process group of these ranks; every rank must ask for the same groups in the same order."""
+        if members not in self.groups:
+            self.groups[members] = dist.new_group(list(members))
+        return self.groups[members]
+
+    def _count(self, kind: str, sent_bytes: float, seconds: float) -> None:
+        self.sent[kind] += sent_bytes  # a float: a ring's 2 (n-1)/n shares add up to whole bytes over the ranks
+        self.round_comm[f"{kind}_bytes"] += sent_bytes
+        self.round_comm["seconds"] += seconds
+
+    def _all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> torch.Tensor:
+        """SUM over the group `members` (this rank among them); returns the result on the CPU."""
+        start = time.perf_counter()
+        on_device = tensor.to(self.comm_device)
+        dist.all_reduce(on_device, group=self._group(members))
+        n = len(members)
+        self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
+        return on_device.cpu()
+
+    def _arrive(self) -> None:
+        """Mark this rank as having reached the next world collective (read only when one fails)."""
+        self.phase += 1
+        if self.store is not None:
+            self.store.set(f"arrived/{self.phase}/{self.rank}", "1")
+
+    def _absent(self) -> list[int]:
+        if self.store is None:
+            return []
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([f"arrived/{self.phase}/{r}"])]
+        except RuntimeError:  # the store went with the process that hosted it
+            return []
+
+    def _failed(self, exc: RuntimeError) -> UserError:
+        return collective_failed(self.rank, exc, self._absent())
+
+    def _gather(self, value) -> list:
+        """all_gather_object over the world, with an arrival mark first."""
+        self._arrive()
+        out: list = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, value)
+        except RuntimeError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
+            raise self._failed(exc) from None
+        return out
+
+    # -------------------------------------------------------------------------------------------
     def _flat(self, state: dict[str, torch.Tensor] | None) -> torch.Tensor:
         if state is None:
-            return torch.zeros(self.numel, dtype=torch.float32)
-        return torch.cat([state[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.names])
+            return torch.zeros(self.numel, dtype=torch.float32, device=self.comm_device)
+        return torch.cat([state[n].detach().to(self.comm_device, torch.float32).reshape(-1) for n in self.names])
 
     def _unflat(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         out, start = {}, 0
@@ -51,17 +125,10 @@ class DistributedBackend:
         return out
 
     def run_round(self, jobs: list[NodeJob]):
-        self.round_comm = {"seconds": 0.0, "payload_bytes": 0}  # this round's collectives (benchmarks read it)
         try:
             return self._run_round(jobs)
-        except RuntimeError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
-            raise collective_failed(self.rank, exc) from None
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        self.round_comm["seconds"] += time.perf_counter() - start
-        self.round_comm["payload_bytes"] += tensor.numel() * tensor.element_size()
+        except RuntimeError as exc:
+            raise self._failed(exc) from None
 
     def _run_round(self, jobs: list[NodeJob]):
         from cluster import RoundResult, run_node
@@ -78,72 +145,124 @@ class DistributedBackend:
                 "losses": outcome.step_losses if good else None, "tokens": outcome.tokens if good else 0,
                 "lr": outcome.learning_rate if good else 0.0,
                 "has_samples": good and outcome.grad_samples is not None}
-        facts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(facts, fact)
+        facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
             raise RoundAbandoned("a stop was requested")
-        facts.sort(key=lambda f: f["node_id"])
         faults = [self._fault_type(**f["fault"]) for f in facts if f["fault"] is not None]
+        trainers = sorted({j.trainer_id for j in jobs})
+        members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainers}
+        for t in trainers:  # new groups are made collectively, in the same order everywhere
+            if len(members[t]) > 1:
+                self._group(members[t])
+        mine = job.trainer_id
+        good_facts = {t: [f for f in facts if f["trainer_id"] == t and f["losses"] is not None] for t in trainers}
+        node_mean, statistics = None, None
+        if good_facts[mine]:
+            weights = self._flat(outcome.state if good else None)
+            if len(members[mine]) > 1:
+                weights = self._all_reduce(weights, members[mine], "weights")
+            node_mean = self._unflat(weights.cpu() / len(good_facts[mine]))
+            if any(f["has_samples"] for f in good_facts[mine]):
+                statistics = self._statistics(outcome if good else None, members[mine])
+        # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.
+        shared_statistics = {}
+        if any(f["has_samples"] for f in facts):
+            shared = self._gather({mine: dataclasses.replace(statistics, mean=torch.empty(0))}
+                                  if statistics is not None and self.rank == members[mine][0] else {})
+            shared_statistics = {t: s for part in shared for t, s in part.items()}
         results = {}
-        for t in sorted({j.trainer_id for j in jobs}):
-            members = [f for f in facts if f["trainer_id"] == t and f["losses"] is not None]
-            mine = good and job.trainer_id == t
-            weights = self._flat(outcome.state if mine else None)
-            self._all_reduce(weights)
-            stats = self._statistics(outcome if mine else None, any(f["has_samples"] for f in members))
-            if not members:
+        for t in trainers:
+            group = good_facts[t]
+            if not group:
                 continue
             results[t] = RoundResult(
-                node_mean=self._unflat(weights / len(members)), nodes=[f["node_id"] for f in members],
-                train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in members) / len(members),
-                tokens=sum(f["tokens"] for f in members), optimizer_steps=sum(len(f["losses"]) for f in members),
-                node_samples={}, node_step_losses={f["node_id"]: f["losses"] for f in members},
-                learning_rate=members[0]["lr"], statistics=stats)
+                node_mean=node_mean if t == mine else None, nodes=[f["node_id"] for f in group],
+                train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
+                tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
+                node_samples={}, node_step_losses={f["node_id"]: f["losses"] for f in group},
+                learning_rate=group[0]["lr"], statistics=shared_statistics.get(t))
         return results, faults
 
-    def _statistics(self, outcome: NodeResult | None, any_samples: bool):
+    def _statistics(self, outcome: NodeResult | None, members: tuple[int, ...]):
         """The trainer's batch-test statistics: one packed all-reduce of the nodes' sums, one of a scalar."""
-        if not any_samples:
-            return None
         have = outcome is not None and outcome.grad_samples is not None
         if have:
             share = NodeGradientSums.of(outcome.grad_samples, outcome.sample_batches, self.within_node)
             buffer = share.pack()
-        else:
+        else:  # this node failed: it adds nothing, but takes part in its group's reductions
             buffer = torch.zeros(2 * self.grad_numel + 7, dtype=torch.float64)
-        self._all_reduce(buffer)
+        if len(members) > 1:
+            buffer = self._all_reduce(buffer, members, "statistics")
         total = NodeGradientSums.unpack(buffer)
         mean = total.weighted_sum / total.batch
         inner = torch.tensor([share.inner_sum(outcome.grad_samples, outcome.sample_batches, mean, self.within_node)
                               if have else 0.0], dtype=torch.float64)
-        self._all_reduce(inner)
+        if len(members) > 1:
+            inner = self._all_reduce(inner, members, "statistics")
         return total.statistics(float(inner), self.within_node)
+
+    # -------------------------------------------------------------------------------------------
+    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights") -> None:
+        """(trainer, from node, to node), in the same order on every rank: the sender's trainer state
+        (`transfer_tensors`) replaces the receiver's copy. Blocking pairs in one global order cannot deadlock.
+        kind: weights (node moves, merges: #7's traffic) or checkpoint (to rank 0, for writing)."""
+        for t, source, target in moves:
+            if self.rank not in (source, target) or source == target:
+                continue
+            trainer = trainers[t]
+            start = time.perf_counter()
+            try:
+                if self.rank == source:
+                    flat = torch.cat([x.detach().reshape(-1) for x in trainer.transfer_tensors()]).to(self.comm_device)
+                    dist.send(flat, dst=target)
+                    self._count(kind, flat.numel() * flat.element_size(), time.perf_counter() - start)
+                else:
+                    flat = torch.empty(trainer.transfer_bytes() // 4, dtype=torch.float32, device=self.comm_device)
+                    dist.recv(flat, src=source)
+                    trainer.load_transfer(flat.cpu())
+                    self.round_comm["seconds"] += time.perf_counter() - start
+            except RuntimeError as exc:
+                raise collective_failed(self.rank, exc, [source if self.rank == target else target]) from None
+
+    def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator) -> dict:
+        """trainer -> (node holding it, its weights): each trainer is evaluated by its holder; all get all."""
+        mine = {t: evaluator.evaluate(weights) for t, (node, weights) in holders.items() if node == self.rank}
+        return {t: result for part in self._gather(mine) for t, result in part.items()}
 
     def agree(self, flag: bool) -> bool:
         """True on every rank when it is true on any (a stop request reaches ranks at different times)."""
-        value = torch.tensor([1.0 if flag else 0.0])
+        value = torch.tensor([1.0 if flag else 0.0], device=self.comm_device)
+        self._arrive()
         try:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         except RuntimeError as exc:
-            raise collective_failed(self.rank, exc) from None
+            raise self._failed(exc) from None
         return bool(value.item())
 
     def gather_optimizer_states(self, local: dict | None) -> list:
-        states: list = [None] * dist.get_world_size()
+        return self._gather(local)
+
+    def total_sent(self) -> dict[str, int]:
+        """Bytes all ranks sent over the run, by kind: one all-reduce at the end."""
+        kinds = sorted(self.sent)
+        totals = torch.tensor([self.sent[k] for k in kinds], dtype=torch.float64, device=self.comm_device)
+        self._arrive()
         try:
-            dist.all_gather_object(states, local)
+            dist.all_reduce(totals)
         except RuntimeError as exc:
-            raise collective_failed(self.rank, exc) from None
-        return states
+            raise self._failed(exc) from None
+        return {k: int(round(float(v))) for k, v in zip(kinds, totals.cpu())}
 
     def close(self) -> None:
         pass
 
 
-def collective_failed(rank: int, exc: RuntimeError) -> UserError:
+def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None) -> UserError:
+    """One line: which rank saw it, which ranks did not arrive (hung or dead), what to do."""
     detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     hung = "timed out" in detail.lower() or "timeout" in detail.lower()
-    why = "a process did not answer within dist_timeout_s (hung?)" if hung else "another process died"
+    who = f"rank {', '.join(map(str, absent))}" if absent else "another process"
+    why = f"{who} did not answer within dist_timeout_s (hung?)" if hung else f"{who} died or left"
     error = UserError(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
                       "the group restarts and resumes from the latest checkpoint")
     error.exit_code = 1

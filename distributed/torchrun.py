@@ -53,12 +53,30 @@ def device_of(cfg: Config, env: DistEnv) -> str:
     return f"cuda:{env.local_rank}" if device.startswith("cuda") else "cpu"
 
 
+def comm_device(cfg: Config, env: DistEnv) -> str:
+    """Where collectives' tensors live: NCCL reduces CUDA tensors, gloo CPU ones."""
+    device = device_of(cfg, env)
+    return device if device.startswith("cuda") else "cpu"
+
+
+_STORE = None  # this attempt's store: ranks mark their arrival at collectives in it
+
+
+def store():
+    return _STORE
+
+
 def init(cfg: Config, env: DistEnv) -> None:
+    import torch
     import torch.distributed as dist
 
-    backend = "nccl" if device_of(cfg, env).startswith("cuda") else "gloo"
+    global _STORE
+    device = device_of(cfg, env)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     if dist.is_initialized():
         return
+    if backend == "nccl":  # object collectives and NCCL communicators use the current device
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
     # A store prefix per restart: after torchrun restarts the group, keys the dead processes wrote (their
     # addresses) must not be read by the new ones.
@@ -68,6 +86,7 @@ def init(cfg: Config, env: DistEnv) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"adloco/attempt_{attempt}", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
+    _STORE = dist.PrefixStore(f"adloco/attempt_{attempt}/arrivals", store)
 
 
 def shared_run_dir(env: DistEnv, make: Callable[[], Path]) -> Path:

@@ -163,16 +163,18 @@ class Config:
     inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.")
     memory_sample_interval_s: float = _f(0.05, "How often the memory monitor samples RSS during a round.",
                                          min=0.001, max=60.0)
-    dist_timeout_s: float = _f(600.0, "Under torchrun: seconds a collective may wait for the other processes before "
-                               "the run ends with an error naming the operation (a hung or dead rank).", min=1.0)
+    dist_timeout_s: float = _f(600.0, "Under torchrun: seconds a collective may wait for the other processes "
+                               "before the run ends with one line naming the rank that did not arrive (hung or dead).",
+                               min=1.0)
     # --- faults ---
     on_node_fault: str = _f("stop", "What a node fault (non-finite loss or weights, or an exception in a node) "
                             "does: stop (checkpoint the last good state and exit with one line naming outer step, "
                             "trainer and node) or skip (drop that node's contribution for the round, log it in "
                             "fault_events.csv and go on).", choices=("stop", "skip"))
     inject_fault: str = _f("", "Testing aid: faults to cause on purpose, '<outer_step>:<node_id>:<kind>' with kind "
-                           "nan (the node's loss becomes NaN) or error (the node raises), comma-separated; "
-                           "empty = none.")
+                           "nan (the node's loss becomes NaN), error (the node raises) or hang (the node waits "
+                           "until the run is stopped: under torchrun the other ranks end it after dist_timeout_s), "
+                           "comma-separated; empty = none.")
 
     def __post_init__(self) -> None:
         self._check_paths()
@@ -293,7 +295,7 @@ class Config:
         return hashlib.sha256(json.dumps(self.meaning(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-FAULT_KINDS = ("nan", "error")
+FAULT_KINDS = ("nan", "error", "hang")
 # what a run directory holds besides its log file (README: "What a run shows and leaves")
 RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "model_weights", "model_training_report",
                              "memory_report", "tensorboard", "clearml_task.json", "run.lock"})
