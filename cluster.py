@@ -28,13 +28,14 @@ import torch
 from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import GradientSamples, GradientStatistics, build_batch_test
+from algorithms.calc_batch import GradientStatistics, build_batch_test, trainer_statistics
 from algorithms.policies import build_merge_policy
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import EvalResult, Evaluator
 from fabrics.models import float_state, replicate
+from fabrics.precision import build_precision
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
 from utils.checkpoint import Checkpoint, save_checkpoint
@@ -55,10 +56,9 @@ class RoundResult:
     train_loss: float
     tokens: int
     optimizer_steps: int
-    node_samples: dict[int, tuple[torch.Tensor, torch.Tensor]]  # node id -> (gradient samples, their batch sizes)
     node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
     learning_rate: float
-    statistics: GradientStatistics | None = None  # the batch test's sums, when a backend reduced them itself
+    statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
 
 
 @dataclass
@@ -96,7 +96,7 @@ def run_node(node: Node, job: NodeJob) -> NodeResult | NodeFault:
     return fault or result
 
 
-def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
+def combine(results: list[NodeResult], within_node: bool) -> dict[int, RoundResult]:
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
@@ -112,10 +112,11 @@ def combine(results: list[NodeResult]) -> dict[int, RoundResult]:
             node_mean=mean, nodes=[r.node_id for r in group],
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
             tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
-            node_samples={r.node_id: (r.grad_samples, r.sample_batches) for r in group
-                          if r.grad_samples is not None},
             node_step_losses={r.node_id: r.step_losses for r in group},
             learning_rate=group[0].learning_rate)
+        samples = [(r.grad_samples, r.sample_batches) for r in group if r.grad_samples is not None]
+        if samples:
+            combined[trainer_id].statistics = trainer_statistics(samples, within_node)
     return combined
 
 
@@ -126,8 +127,8 @@ class RoundBackend:
     of its trainer's mean; a stop request (RoundAbandoned) is raised once every node has left its round.
     """
 
-    def __init__(self, nodes: list[Node], concurrent: bool) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool) -> None:
+        self.nodes, self.within_node = nodes, within_node
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
     def _run_one(self, job: NodeJob) -> NodeResult | NodeFault:
@@ -147,7 +148,7 @@ class RoundBackend:
             if abandoned is not None:
                 raise abandoned
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
-        return combine([o for o in outcomes if isinstance(o, NodeResult)]), faults
+        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node), faults
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""
@@ -176,6 +177,8 @@ class RoundBackend:
 def use_threads(cfg: Config) -> bool:
     if cfg.node_execution != "auto":
         return cfg.node_execution == "threads"
+    if cfg.compile:  # torch.compile is not thread-safe
+        return False
     # Threads pay off when nodes sit on distinct accelerators; on CPU cores they only contend.
     cuda = [d for d in cfg.devices if d.startswith("cuda")]
     return len(set(cuda)) > 1 and len(cuda) == len(cfg.devices)
@@ -223,6 +226,10 @@ class ClusterController:
         # micro_batches: each node's chunks form their own group, so drift between nodes is not noise
         self.pool_within_nodes = cfg.variance_estimator == "micro_batches"
         self.injected = cfg.injected_faults()
+        self.precision = build_precision(cfg.precision)
+        # gradient samples: for the batch test, or only for the log (log_batch_statistics); else none at all
+        wanted = self.batch_test.uses_statistics or cfg.log_batch_statistics
+        self.grad_chunks = 0 if not wanted else cfg.variance_micro_batches if self.pool_within_nodes else 1
         resume_state = resume.resume_state() if resume is not None else None
         self.nodes: list[Node] = []
         local = None if dist_env is None else dist_env.rank
@@ -253,7 +260,8 @@ class ClusterController:
                                                           num_cpu_devices=cfg.devices.count("cpu"))
                     max_batch = probed[key]
                 replica = replicate(model, device) if mine else None  # other processes hold the other nodes
-                node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train)
+                node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, self.precision,
+                            cfg.compile)
                 node.max_batch = max_batch
                 node.show_progress = cfg.inner_progress
                 node.stop = self.stop.event
@@ -276,9 +284,10 @@ class ClusterController:
         # (trainer, weights version) each node holds; None = the common initial weights
         self.holds: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
         eval_device = cfg.devices[0] if local is None else self.nodes[local].device
-        self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device)
+        self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device,
+                                   self.precision)
         if local is None:
-            self.backend = RoundBackend(self.nodes, use_threads(cfg))
+            self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes)
         else:
             from distributed import torchrun
             from distributed.backend import DistributedBackend
@@ -376,16 +385,6 @@ class ClusterController:
         if math.isfinite(value) and better:
             self.best_seen = value
 
-    def _gradient_samples(self, res: RoundResult) -> GradientSamples | None:
-        if not res.node_samples:
-            return None
-        grads, sizes, groups = [], [], []
-        for node_id, (g, b) in sorted(res.node_samples.items()):
-            grads.append(g)
-            sizes.append(b)
-            groups += [node_id if self.pool_within_nodes else 0] * len(b)
-        return GradientSamples(torch.cat(grads), torch.cat(sizes), torch.tensor(groups))
-
     # -------------------------------------------------------------------------------------------
     def _jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
         """This round's node jobs, and the moves (trainer, from node, to node) that must come first."""
@@ -406,8 +405,7 @@ class ClusterController:
                 loader_batch, accumulation = self.switch_mode.decide(trainer.requested_batch, node.max_batch)
                 n = cfg.num_inner_steps * accumulation * loader_batch
                 indices = trainer.sampler.take(n).view(cfg.num_inner_steps, accumulation, loader_batch)
-                chunks = cfg.variance_micro_batches if cfg.variance_estimator == "micro_batches" else 1
-                jobs.append(NodeJob(node_id, t, trainer.master, indices, chunks,
+                jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
                                     reset_optimizer=self.owner[node_id] != t,
                                     inject_fault=self.injected.get((outer_step, node_id), "")))
         for t, node_ids in assignment.items():
@@ -492,8 +490,8 @@ class ClusterController:
             requested_before = trainer.requested_batch
             self.traffic.trainer_sync(len(res.nodes), self.param_bytes)
             self._seen(evaluation.value)
-            samples = res.statistics if res.statistics is not None else self._gradient_samples(res)
-            decision = self.batch_test(samples, trainer.requested_batch, len(res.nodes), tokens_seen=self.tokens_total)
+            decision = self.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),
+                                       tokens_seen=self.tokens_total)
             trainer.requested_batch = decision.requested_batch
             s = trainer.stats
             s.sync_number += 1

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from algorithms.policies import weighted_average
 from fabrics.dataset_loader import PackedData, ShardSampler
 from fabrics.models import float_state, load_float_state
+from fabrics.precision import PRECISIONS, Precision
 from utils.config import Config
 
 
@@ -53,37 +54,48 @@ class NodeResult:
     state: dict[str, torch.Tensor]  # the node's final weights (references into its replica)
     step_losses: list[float]  # mean loss of each optimizer step
     tokens: int
-    grad_samples: torch.Tensor | None = None  # [k, P] fp32 on CPU
+    grad_samples: torch.Tensor | None = None  # [k, P] fp32, on the node's device (never copied to the host)
     sample_batches: torch.Tensor | None = None  # [k] sequences behind each gradient sample
     learning_rate: float = 0.0
 
 
 class Node:
     def __init__(self, node_id: int, device: str, model: torch.nn.Module, make_optimizer, grad_clip: float,
-                 data: PackedData) -> None:
+                 data: PackedData, precision: Precision = PRECISIONS["fp32"], compile_model: bool = False) -> None:
         self.node_id, self.device, self.model = node_id, device, model  # model None: the node runs elsewhere
         self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
         self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self.precision = precision
+        # compiled once, here: the wrapper shares the replica's parameters, so weights still load into `model`
+        self.forward = torch.compile(model) if compile_model and model is not None else model
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # fp16: this node's dynamic loss scale
         self.max_batch = 0
         self.show_progress = False  # an inner-step progress bar (config inner_progress)
         self.stop = threading.Event()  # set by a stop request: leave the round at the next inner step
 
     def optimizer_state(self) -> dict | None:
-        """A copy of the inner optimizer's state on the CPU (None before the node's first round)."""
+        """A copy of the inner optimizer's state (and fp16 loss scale) on the CPU; None before the first round."""
         if self.optimizer is None:
             return None
         state = self.optimizer.state_dict()
         return {"state": {i: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
                               for k, v in s.items()} for i, s in state["state"].items()},
-                "param_groups": state["param_groups"]}
+                "param_groups": state["param_groups"],
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_optimizer_state(self, state: dict | None) -> None:
         if state is None or self.model is None:
-            self.optimizer = None
+            self.optimizer, self.scaler = None, None
             return
+        self._new_optimizer()
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "scaler"})
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _new_optimizer(self) -> None:
         self.optimizer = self.make_optimizer(self.params)
-        self.optimizer.load_state_dict(state)
+        self.scaler = self.precision.scaler(self.device)
 
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
         ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
@@ -92,12 +104,16 @@ class Node:
             labels = self.data.labels[idx].to(self.device, non_blocking=True)
         else:  # language modelling: the model shifts labels by one itself; padding is excluded from the loss
             labels = ids.masked_fill(mask == 0, -100)
-        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        (loss * scale).backward()
-        return loss.detach()
+        with self.precision.autocast(self.device):
+            loss = self.forward(input_ids=ids, attention_mask=mask, labels=labels).loss
+        scaled = loss * scale
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach().float()
 
     def _flat_grad(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        """The accumulated gradient as one fp32 vector, without the fp16 loss scale."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        return flat.float() / self.scaler.get_scale() if self.scaler is not None else flat.float()
 
     def _last_step_with_samples(self, idx: torch.Tensor,
                                 chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +131,7 @@ class Node:
             share = len(piece) / len(flat)
             losses.append(self._forward_backward(piece, share) * share)
             current = self._flat_grad()
-            samples.append(((current - previous) / share).float().cpu())
+            samples.append((current - previous) / share)
             previous = current
         sizes = torch.tensor([len(piece) for piece in pieces], dtype=torch.float64)
         return torch.stack(losses).sum(), torch.stack(samples), sizes
@@ -127,7 +143,7 @@ class Node:
             if self.stop.wait(0.1):
                 raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")
         if job.reset_optimizer or self.optimizer is None:
-            self.optimizer = self.make_optimizer(self.params)
+            self._new_optimizer()
         load_float_state(self.model, job.master)
         self.model.train()
         steps, accumulation, _ = job.sample_indices.shape
@@ -142,7 +158,7 @@ class Node:
             else:
                 loss = sum(self._forward_backward(micro, 1.0 / accumulation) for micro in idx) / accumulation
                 if step == steps - 1 and job.grad_chunks == 1:
-                    grad_samples = self._flat_grad().float().cpu()[None]
+                    grad_samples = self._flat_grad()[None]
                     sample_batches = torch.tensor([float(idx.numel())], dtype=torch.float64)
             if job.inject_fault == "nan" and step == 0:
                 for p in self.params:  # as a diverging step would: the weights turn NaN, the loss reports it
@@ -150,9 +166,15 @@ class Node:
                         p.grad.fill_(float("nan"))
                 loss = loss * float("nan")
             losses.append(loss)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clipping sees the true gradient
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skipped when the gradients overflowed; the scale shrinks
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if bar is not None:
                 bar.update()
@@ -274,8 +296,13 @@ class DiLoCoTrainer(Trainer):
 
     @staticmethod
     def inner_optimizer_factory(cfg: Config):
-        return lambda params: torch.optim.AdamW(params, lr=cfg.lr_inner, betas=tuple(cfg.inner_betas),
-                                                weight_decay=cfg.inner_weight_decay)
+        def make(params):
+            # CUDA: the fused kernel (one launch for all parameters); CPU: the default foreach path
+            fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
+            return torch.optim.AdamW(params, lr=cfg.lr_inner, betas=tuple(cfg.inner_betas),
+                                     weight_decay=cfg.inner_weight_decay, **fused)
+
+        return make
 
     @torch.no_grad()
     def outer_step(self, node_mean):

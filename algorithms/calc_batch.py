@@ -22,6 +22,7 @@ Batches never shrink (as in AdAdaGrad and the authors' code) and are capped at `
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class NodeGradientSums:
     """
 
     weighted_sum: torch.Tensor  # [P] sum_i b_i g_i (fp64)
-    plain_sum: torch.Tensor  # [P] sum_i g_i
+    plain_sum: torch.Tensor | None  # [P] sum_i g_i; None within_node (the deviations are measured here)
     batch: float  # sum_i b_i
     weighted_sq: float  # sum_i b_i ||g_i||^2
     plain_sq: float  # sum_i ||g_i||^2
@@ -109,7 +110,7 @@ class NodeGradientSums:
 
     @classmethod
     def of(cls, grads: torch.Tensor, batch_sizes: torch.Tensor, within_node: bool) -> NodeGradientSums:
-        g, b = grads.double(), batch_sizes.double()
+        g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
         weighted_sum = (b[:, None] * g).sum(0)
         weighted_dev = plain_dev = 0.0
         if within_node:
@@ -117,29 +118,41 @@ class NodeGradientSums:
             sq_dev = (d**2).sum(dim=1)
             weighted_dev, plain_dev = float((b * sq_dev).sum()), float(sq_dev.sum())
         sq = (g**2).sum(dim=1)
-        return cls(weighted_sum, g.sum(0), float(b.sum()), float((b * sq).sum()), float(sq.sum()), len(b),
-                   int(within_node), weighted_dev, plain_dev)
+        return cls(weighted_sum, None if within_node else g.sum(0), float(b.sum()), float((b * sq).sum()),
+                   float(sq.sum()), len(b), int(within_node), weighted_dev, plain_dev)
 
     def pack(self) -> torch.Tensor:
-        """One fp64 buffer [weighted_sum, plain_sum, scalars]: a single all-reduce (SUM) adds up the nodes."""
+        """One fp64 buffer [weighted_sum, plain_sum (nodes estimator only), scalars]: a single all-reduce
+        (SUM) adds up the nodes."""
         scalars = [self.batch, self.weighted_sq, self.plain_sq, self.count, self.groups, self.weighted_dev,
                    self.plain_dev]
-        return torch.cat([self.weighted_sum, self.plain_sum, torch.tensor(scalars, dtype=torch.float64)])
+        vectors = [self.weighted_sum] + ([self.plain_sum] if self.plain_sum is not None else [])
+        return torch.cat([*vectors, torch.tensor(scalars, dtype=torch.float64, device=self.weighted_sum.device)])
+
+    @staticmethod
+    def packed_size(numel: int, within_node: bool) -> int:
+        return numel * (1 if within_node else 2) + 7
 
     @classmethod
-    def unpack(cls, buffer: torch.Tensor) -> NodeGradientSums:
-        p = (buffer.numel() - 7) // 2
-        batch, weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev = buffer[2 * p:].tolist()
-        return cls(buffer[:p], buffer[p:2 * p], batch, weighted_sq, plain_sq, round(count), round(groups),
-                   weighted_dev, plain_dev)
+    def unpack(cls, buffer: torch.Tensor, within_node: bool) -> NodeGradientSums:
+        p = (buffer.numel() - 7) // (1 if within_node else 2)
+        vectors = 1 if within_node else 2
+        batch, weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev = buffer[vectors * p:].tolist()
+        return cls(buffer[:p], None if within_node else buffer[p:2 * p], batch, weighted_sq, plain_sq, round(count),
+                   round(groups), weighted_dev, plain_dev)
+
+    def to(self, device: torch.device | str) -> NodeGradientSums:
+        return dataclasses.replace(self, weighted_sum=self.weighted_sum.to(device),
+                                   plain_sum=None if self.plain_sum is None else self.plain_sum.to(device))
 
     def __add__(self, other: NodeGradientSums) -> NodeGradientSums:
-        return NodeGradientSums(*(a + b for a, b in zip(vars(self).values(), vars(other).values())))
+        return NodeGradientSums(*(None if a is None else a + b for a, b in zip(vars(self).values(),
+                                                                               vars(other).values())))
 
     def inner_sum(self, grads: torch.Tensor, batch_sizes: torch.Tensor, mean: torch.Tensor,
                   within_node: bool) -> float:
         """This node's sum_i b_i <d_i, mean>^2, given the trainer's mean."""
-        g, b = grads.double(), batch_sizes.double()
+        g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
         group_mean = self.weighted_sum / self.batch if within_node else mean
         return float((b * ((g - group_mean) @ mean) ** 2).sum())
 
@@ -157,8 +170,24 @@ class NodeGradientSums:
         return GradientStatistics(mean, sq_norm, weighted_dev, plain_dev, inner, ortho_dev, dof)
 
 
+def trainer_statistics(node_samples: list[tuple[torch.Tensor, torch.Tensor]], within_node: bool) -> GradientStatistics:
+    """A trainer's statistics from its nodes' samples (each on its node's device), in one process: the
+    same two reductions as across processes (node sums, then the inner sums), added on the first node's
+    device, so no sample is stacked or copied to the host."""
+    shares = [NodeGradientSums.of(g, b, within_node) for g, b in node_samples]
+    device = shares[0].weighted_sum.device
+    total = shares[0]
+    for share in shares[1:]:
+        total = total + share.to(device)
+    mean = total.weighted_sum / total.batch
+    inner = sum(share.inner_sum(g, b, mean.to(g.device), within_node)
+                for share, (g, b) in zip(shares, node_samples))
+    return total.statistics(inner, within_node)
+
+
 class BatchTest(ABC):
     name: str
+    uses_statistics = True  # False: the decision ignores the gradient statistics (they are only logged)
 
     def __init__(self, max_batch: int = 1 << 30) -> None:
         self.max_batch = max_batch
@@ -229,6 +258,7 @@ class ConstantBatch(BatchTest):
     """No adaptation; still reports the norm-test statistics for comparison."""
 
     name = "constant"
+    uses_statistics = False
 
     def __init__(self, eta: float, max_batch: int = 1 << 30) -> None:
         super().__init__(max_batch)
@@ -249,6 +279,7 @@ class LinearRampup(BatchTest):
     """
 
     name = "linear_rampup"
+    uses_statistics = False
 
     def __init__(self, eta: float, start: int, rampup_tokens: int, max_batch: int) -> None:
         super().__init__(max_batch)

@@ -1,13 +1,18 @@
 """System benchmarks: does the engine waste anything?
 
-    python -m benchmarks.system [--preset microllama-tiny] [--batch 8] [--steps 20] [--repeats 3]
+    python -m benchmarks.system [--device cpu|cuda] [--variants fp32,bf16,bf16+compile] [--preset microllama-tiny]
+                                [--batch 8] [--steps 20] [--inner-steps 20] [--repeats 3] [--markdown FILE]
 
 (a) inner-step throughput of one node inside the engine (trainers.Node.run) against a plain PyTorch
-    loop of the same model, optimizer, clipping, batches and steps, in the same process: a ratio;
-(b) outer step + merge time as a share of a round (a real ClusterController round);
+    loop of the same model, optimizer, clipping, batches, steps, precision and compile setting, in the
+    same process: a ratio, per variant (precision, +compile);
+(b) a real ClusterController's rounds (first variant) split: node rounds (their gradient statistics
+    apart), outer steps, evaluation, merges, the rest (assignment, logging); end-to-end tokens/s of the
+    rounds against the bare node loop of (a);
 (c) memory: RSS growth while building nodes and trainers and running one round, against what the
-    replicas, gradients, AdamW states, fp32 master copies and the evaluation replica should need;
-(d) achieved training FLOP/s of (a) against the measured fp32 matmul peak of this machine.
+    replicas, gradients, AdamW states, fp32 master copies and the evaluation replica should need (CPU);
+(d) achieved training FLOP/s of (a) against the device's matmul peak measured in the variant's dtype
+    (and, on a known GPU, its datasheet peak): the model FLOP utilisation.
 Each prints a table; --markdown FILE appends them (with date and machine) to FILE.
 """
 
@@ -32,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from fabrics.dataset_loader import load_corpus  # noqa: E402
 from fabrics.models import build_model, count_parameters, float_state  # noqa: E402
+from fabrics.precision import PRECISIONS, build_precision  # noqa: E402
 from trainers import TRAINERS, Node, NodeJob  # noqa: E402
 from utils.config import load_config  # noqa: E402
 
@@ -44,47 +50,94 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plain_loop(model, data, indices, cfg) -> None:
-    """The baseline: the textbook PyTorch loop over the same batches."""
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(model, forward, data, indices, cfg, device: str, precision, scaler) -> None:
+    """The baseline: the textbook (mixed-precision) PyTorch loop over the same batches."""
     opt = TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg)(list(model.parameters()))
     model.train()
     for step in indices:
         for micro in step:
-            ids, mask = data.input_ids[micro], data.attention_mask[micro]
-            loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-            (loss / len(step)).backward()
+            ids, mask = data.input_ids[micro].to(device), data.attention_mask[micro].to(device)
+            with precision.autocast(device):
+                loss = forward(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+            loss = loss / len(step)
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
 
 
-def bench_inner(cfg, model, data, batch: int, steps: int, repeats: int) -> dict:
+def parse_variant(variant: str) -> tuple[str, bool]:
+    """'bf16+compile' -> ('bf16', True)."""
+    name, _, extra = variant.partition("+")
+    if name not in PRECISIONS or extra not in ("", "compile"):
+        sys.exit(f"error: --variants: '{variant}' is not one of {', '.join(PRECISIONS)}, optionally +compile")
+    return name, extra == "compile"
+
+
+def bench_inner(cfg, model, data, batch: int, steps: int, repeats: int, device: str, variant: str) -> dict:
+    name, compiled = parse_variant(variant)
+    precision = build_precision(name)
     gen = torch.Generator().manual_seed(0)
     indices = torch.randint(0, len(data.train), (steps, 1, batch), generator=gen)
     start_state = {k: v.clone() for k, v in float_state(model).items()}
-    node = Node(0, "cpu", copy.deepcopy(model), TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg),
-                cfg.grad_clip, data.train)
+    make_optimizer = TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg)
+    node = Node(0, device, copy.deepcopy(model).to(device), make_optimizer, cfg.grad_clip, data.train, precision,
+                compiled)
+    baseline = copy.deepcopy(model).to(device)
+    forward = torch.compile(baseline) if compiled else baseline
+    job = NodeJob(0, 0, start_state, indices, 0, reset_optimizer=True)
+    node.run(job)  # warm-up (and compilation) outside the timings, for both
+    plain_loop(baseline, forward, data.train, indices[:2], cfg, device, precision, precision.scaler(device))
     engine_t, plain_t = [], []
     for _ in range(repeats):  # alternate, so drifts of the machine hit both equally
+        sync(device)
         t = time.perf_counter()
-        node.run(NodeJob(0, 0, start_state, indices, 0, reset_optimizer=True))
+        node.run(job)  # ends with one host sync (the losses)
         engine_t.append(time.perf_counter() - t)
-        baseline = copy.deepcopy(model)
+        sync(device)
         t = time.perf_counter()
-        plain_loop(baseline, data.train, indices, cfg)
+        plain_loop(baseline, forward, data.train, indices, cfg, device, precision, precision.scaler(device))
+        sync(device)
         plain_t.append(time.perf_counter() - t)
     tokens = int(data.train.tokens_per_sequence[indices.reshape(-1)].sum())
     e, p = statistics.median(engine_t), statistics.median(plain_t)
     return {"engine_s": e, "plain_s": p, "ratio": e / p, "tokens": tokens}
 
 
-def matmul_peak(n: int = 1024, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak(device: str, dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> float:
+    if device.startswith("cuda"):
+        n, repeats = 8192, 50
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
+    sync(device)
     t = time.perf_counter()
     for _ in range(repeats):
         a @ b
+    sync(device)
     return 2 * n**3 * repeats / (time.perf_counter() - t)
+
+
+# dense datasheet peaks (FLOP/s) of GPUs we have measured on: bf16/fp16, tf32, fp32
+DATASHEET = {"H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+             "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12}}
+
+
+def datasheet_peak(device: str, precision: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks[precision] for gpu, peaks in DATASHEET.items() if gpu in name), None)
 
 
 def training_flops(model, tokens: int, seq_len: int) -> float:
@@ -96,6 +149,7 @@ def training_flops(model, tokens: int, seq_len: int) -> float:
 
 def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
     """One real cluster: time the pieces of its rounds and its memory against the expected bytes."""
+    import cluster as cluster_module
     from cluster import ClusterController
     from training_logs.memory_monitor import MemoryMonitor
     from training_logs.trackers import TrackerGroup
@@ -111,7 +165,7 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
         logger = TrainingLogger(Path(tmp) / "r", TrackerGroup([]), MemoryMonitor(Path(tmp) / "m", cfg.devices,
                                                                                   TrackerGroup([])))
         cluster = ClusterController(cfg, model, data, logger, Path(tmp) / "w")
-        times = {"round": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0}
+        times = {"round": 0.0, "statistics": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0, "total": 0.0}
         run_round, evaluate = cluster.backend.run_round, cluster.evaluator.evaluate
 
         def timed(key, fn):
@@ -124,14 +178,23 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
             return wrapper
 
         cluster.backend.run_round = timed("round", run_round)
+        trainer_statistics = cluster_module.trainer_statistics
+        cluster_module.trainer_statistics = timed("statistics", trainer_statistics)
         cluster.evaluator.evaluate = timed("eval", evaluate)
         for trainer in cluster.trainers.values():
             trainer.outer_step = timed("outer", trainer.outer_step)
-        for step in range(1, cfg.num_outer_steps + 1):
-            cluster.run_outer_step(step)
-            t = time.perf_counter()
-            cluster.merge(step)
-            times["merge"] += time.perf_counter() - t
+        metric = cluster.evaluator.metric
+        try:
+            for step in range(1, cfg.num_outer_steps + 1):
+                start = time.perf_counter()
+                rows = cluster.run_outer_step(step)
+                t = time.perf_counter()
+                cluster.merge(step, {r["trainer_id"]: r[metric] for r in rows})
+                times["merge"] += time.perf_counter() - t
+                times["total"] += time.perf_counter() - start
+        finally:
+            cluster_module.trainer_statistics = trainer_statistics
+        times["tokens"] = cluster.tokens_total
         peak = max(r["process_rss_mib"] for r in logger.memory.rows) * MiB if logger.memory.rows else 0
         rss1 = max(proc.memory_info().rss, peak)
         cluster.backend.close()
@@ -148,44 +211,79 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "config.yaml"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    ap.add_argument("--variants", help="comma-separated precision[+compile] (default: cpu fp32,bf16; "
+                                       "cuda fp32,tf32,bf16,bf16+compile)")
     ap.add_argument("--preset", default="microllama-tiny")
+    ap.add_argument("--seq-len", type=int, help="default: the config's")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="inner steps of (a)")
+    ap.add_argument("--inner-steps", type=int, default=20, help="H of the cluster rounds of (b)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown", help="append the tables to this file")
     args = ap.parse_args(argv)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: no CUDA device here")
+    default_variants = "fp32,tf32,bf16,bf16+compile" if device.startswith("cuda") else "fp32,bf16"
+    variants = (args.variants or default_variants).split(",")
+    for variant in variants:
+        parse_variant(variant)
     torch.manual_seed(0)
-    base = ["clearml_mode=off", f"model_config.name={args.preset}"]
+    base = ["clearml_mode=off", f"model_config.name={args.preset}", f"devices=[{device}]"]
+    if args.seq_len:
+        base.append(f"seq_len={args.seq_len}")
     cfg = load_config(args.config, base)
     data = load_corpus(cfg)
     model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
-    out = [f"## System benchmarks ({datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}, "
-           f"{psutil.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}, "
-           f"{torch.get_num_threads()} threads; model {args.preset}, {count_parameters(model) / 1e6:.2f}M parameters)",
-           ""]
-    inner = bench_inner(cfg, model, data, args.batch, args.steps, args.repeats)
-    out.append(table("(a) Inner loop: engine node vs plain PyTorch loop (same batches, median of repeats)",
-                     ["batch x steps", "engine s", "plain s", "engine / plain", "tokens/s engine"],
-                     [[f"{args.batch} x {args.steps}", inner["engine_s"], inner["plain_s"], inner["ratio"],
-                       inner["tokens"] / inner["engine_s"]]]))
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else \
+        f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs, {torch.get_num_threads()} threads"
+    out = [f"## System benchmarks ({datetime.now():%Y-%m-%d %H:%M}, {where}, "
+           f"{psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}; model {args.preset}, "
+           f"{count_parameters(model) / 1e6:.2f}M parameters, seq_len {cfg.seq_len})", ""]
+    inner = {v: bench_inner(cfg, model, data, args.batch, args.steps, args.repeats, device, v) for v in variants}
+    out.append(table("(a) Inner loop: engine node vs plain PyTorch loop, same precision and compile (median of "
+                     "repeats, after a warm-up)",
+                     ["variant", "batch x steps", "engine s", "plain s", "engine / plain", "tokens/s engine"],
+                     [[v, f"{args.batch} x {args.steps}", r["engine_s"], r["plain_s"], r["ratio"],
+                       r["tokens"] / r["engine_s"]] for v, r in inner.items()]))
+    first = variants[0]
+    precision, compiled = parse_variant(first)
     times, memory = bench_round(args.config, [*base, "num_outer_steps=3", "merge_frequency=1",
-                                              f"max_batch_size={args.batch}", "initial_batch_size=8",
-                                              "sampling_method=constant"])
-    total = times["round"] + times["outer"] + times["merge"]
-    out.append(table("(b) Outer step + merge as a share of the round (3 outer steps, a merge after each)",
-                     ["node rounds s", "outer steps s", "merges s", "outer + merge share", "evaluation s"],
-                     [[times["round"], times["outer"], times["merge"], (times["outer"] + times["merge"]) / total,
-                       times["eval"]]]))
-    rows = [[k, v / MiB] for k, v in memory["parts"].items()]
-    rows += [["expected total", memory["expected"] / MiB], ["measured RSS growth (peak)", memory["measured"] / MiB],
-             ["measured / expected", memory["measured"] / memory["expected"]]]
-    out.append(table(f"(c) Memory of a cluster of {memory['nodes']} nodes ({memory['params'] / 1e6:.2f}M parameters)",
-                     ["part", "MiB"], rows))
-    peak = matmul_peak()
-    achieved = training_flops(model, inner["tokens"], cfg.seq_len) / inner["engine_s"]
-    out.append(table("(d) Achieved training FLOP/s vs measured fp32 matmul peak",
-                     ["matmul peak GFLOP/s", "engine GFLOP/s", "fraction of peak"],
-                     [[peak / 1e9, achieved / 1e9, achieved / peak]]))
+                                              f"num_inner_steps={args.inner_steps}", f"max_batch_size={args.batch}",
+                                              f"initial_batch_size={args.batch}", "sampling_method=constant",
+                                              f"precision={precision}", f"compile={str(compiled).lower()}"])
+    e2e = times["tokens"] / times["total"]
+    loop = inner[first]["tokens"] / inner[first]["engine_s"]
+    rest = times["total"] - times["round"] - times["outer"] - times["merge"] - times["eval"]
+    out.append(table(f"(b) Cluster rounds ({first}, 2 nodes, H = {args.inner_steps}, 3 outer steps, a merge after "
+                     "each): where the time goes, and end-to-end tokens/s against the bare node loop",
+                     ["node steps s", "gradient statistics s", "outer steps s", "evaluation s", "merges s",
+                      "rest s", "end-to-end tokens/s", "/ node loop tokens/s"],
+                     [[times["round"] - times["statistics"], times["statistics"], times["outer"], times["eval"],
+                       times["merge"], rest, e2e, e2e / loop]]))
+    if not device.startswith("cuda"):
+        rows = [[k, v / MiB] for k, v in memory["parts"].items()]
+        rows += [["expected total", memory["expected"] / MiB],
+                 ["measured RSS growth (peak)", memory["measured"] / MiB],
+                 ["measured / expected", memory["measured"] / memory["expected"]]]
+        out.append(table(f"(c) Memory of a cluster of {memory['nodes']} nodes ({memory['params'] / 1e6:.2f}M "
+                         "parameters)", ["part", "MiB"], rows))
+    rows = []
+    for v, r in inner.items():
+        name, _ = parse_variant(v)
+        dtype = PRECISIONS[name].autocast_dtype or torch.float32
+        if name == "tf32" and device.startswith("cuda"):
+            build_precision("tf32")
+        peak = matmul_peak(device, dtype)
+        achieved = training_flops(model, r["tokens"], cfg.seq_len) / r["engine_s"]
+        sheet = datasheet_peak(device, name)
+        rows.append([v, str(dtype).replace("torch.", ""), peak / 1e9, achieved / 1e9, achieved / peak,
+                     f"{achieved / sheet:.3f}" if sheet else "-"])
+    out.append(table("(d) Achieved training FLOP/s of (a) vs the matmul peak measured in the variant's dtype "
+                     "(and the datasheet's dense peak, where known)",
+                     ["variant", "matmul dtype", "matmul peak GFLOP/s", "engine GFLOP/s", "fraction of measured peak",
+                      "MFU (datasheet)"], rows))
     text = "\n".join(out)
     print(text)
     if args.markdown:

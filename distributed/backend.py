@@ -8,7 +8,8 @@ says which). What crosses the network, per round:
 - per trainer, within its own process group (created identically on every rank, cached by member set):
   one fp32 all-reduce (SUM) of the node weights, divided by the number of good nodes; every member then
   applies the same outer step to its own copy. A one-node trainer sends nothing;
-- per trainer, the batch test's sums (`NodeGradientSums.pack()`, one fp64 buffer) and one scalar, within
+- per trainer, the batch test's sums (`NodeGradientSums.pack()`, one fp64 buffer: the b-weighted gradient
+  sum, plus the plain sum for the nodes estimator, plus 7 scalars) and one scalar, within
   the same group; the trainer's first node shares the resulting scalars with every rank (they take the
   same decision);
 - `transfer`: a node that starts a round from a state it does not hold receives it from a process that
@@ -179,7 +180,7 @@ class DistributedBackend:
                 node_mean=node_mean if t == mine else None, nodes=[f["node_id"] for f in group],
                 train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
                 tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
-                node_samples={}, node_step_losses={f["node_id"]: f["losses"] for f in group},
+                node_step_losses={f["node_id"]: f["losses"] for f in group},
                 learning_rate=group[0]["lr"], statistics=shared_statistics.get(t))
         return results, faults
 
@@ -190,12 +191,14 @@ class DistributedBackend:
             share = NodeGradientSums.of(outcome.grad_samples, outcome.sample_batches, self.within_node)
             buffer = share.pack()
         else:  # this node failed: it adds nothing, but takes part in its group's reductions
-            buffer = torch.zeros(2 * self.grad_numel + 7, dtype=torch.float64)
+            size = NodeGradientSums.packed_size(self.grad_numel, self.within_node)
+            buffer = torch.zeros(size, dtype=torch.float64, device=self.comm_device)
         if len(members) > 1:
             buffer = self._all_reduce(buffer, members, "statistics")
-        total = NodeGradientSums.unpack(buffer)
+        total = NodeGradientSums.unpack(buffer, self.within_node)
         mean = total.weighted_sum / total.batch
-        inner = torch.tensor([share.inner_sum(outcome.grad_samples, outcome.sample_batches, mean, self.within_node)
+        inner = torch.tensor([share.inner_sum(outcome.grad_samples, outcome.sample_batches,
+                                              mean.to(outcome.grad_samples.device), self.within_node)
                               if have else 0.0], dtype=torch.float64)
         if len(members) > 1:
             inner = self._all_reduce(inner, members, "statistics")

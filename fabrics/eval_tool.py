@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fabrics.dataset_loader import PackedData
 from fabrics.models import load_float_state
+from fabrics.precision import PRECISIONS, Precision
 
 
 @dataclass
@@ -31,8 +32,10 @@ class EvalResult:
 class Evaluator:
     """Evaluates weight states on one shared model replica (trainers hold states, not modules)."""
 
-    def __init__(self, model: torch.nn.Module, val: PackedData, batch_size: int, device: str) -> None:
+    def __init__(self, model: torch.nn.Module, val: PackedData, batch_size: int, device: str,
+                 precision: Precision = PRECISIONS["fp32"]) -> None:
         self.model, self.val, self.batch_size, self.device = model, val, batch_size, device
+        self.precision = precision  # the nodes' autocast: a model is judged in the precision it trains in
         self.classification = val.labels is not None
         self.metric = "val_accuracy" if self.classification else "val_perplexity"
         self.higher_is_better = self.classification
@@ -53,7 +56,8 @@ class Evaluator:
         total_nll = torch.zeros((), dtype=torch.float64, device=self.device)
         count, correct = 0, 0
         for ids, mask, labels in self._batches():
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            with self.precision.autocast(self.device):
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
             if self.classification:
                 total_nll += F.cross_entropy(logits, labels, reduction="sum").double()

@@ -16,6 +16,7 @@ from algorithms.calc_batch import (
     NormTest,
     build_batch_test,
     statistics_of,
+    trainer_statistics,
 )
 from algorithms.policies import BestWithWorst, MergePlan, WorstWithWorst, batch_weights, weighted_average
 from algorithms.switch_mode import OnlyDataLoader, OnlyGradientAccumulation, ThresholdSwitchMode
@@ -56,13 +57,32 @@ def test_node_sums_give_the_same_statistics_as_the_samples(within_node):
         assert test(reduced, 1, 3).requested_batch == test(direct, 1, 3).requested_batch > 1
 
 
-def test_node_sums_pack_into_one_buffer():
-    share = NodeGradientSums.of(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([1.0, 3.0]), True)
-    back = NodeGradientSums.unpack(share.pack())
-    assert share.pack().shape == (2 * 2 + 7,)
+@pytest.mark.parametrize("within_node", [True, False])
+def test_node_sums_pack_into_one_buffer(within_node):
+    share = NodeGradientSums.of(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([1.0, 3.0]), within_node)
+    back = NodeGradientSums.unpack(share.pack(), within_node)
+    # the micro_batches estimator measures deviations on the node: no plain sum travels
+    assert share.pack().shape == ((1 if within_node else 2) * 2 + 7,)
+    assert share.pack().numel() == NodeGradientSums.packed_size(2, within_node)
+    assert (share.plain_sum is None) == within_node
     assert vars(back).keys() == vars(share).keys()
     assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(vars(back).values(),
                                                                                    vars(share).values()))
+
+
+@pytest.mark.parametrize("within_node", [True, False])
+def test_trainer_statistics_in_one_process_equal_the_samples(within_node):
+    """The simulated cluster's path (node sums added in one process) against the stacked samples."""
+    gen = torch.Generator().manual_seed(1)
+    parts = [(torch.randn(k, 30, generator=gen) + 0.2, torch.arange(1.0, k + 1, dtype=torch.float64))
+             for k in (3, 2, 4)]
+    grads, sizes = torch.cat([g for g, _ in parts]), torch.cat([b for _, b in parts])
+    groups = torch.cat([torch.full((len(b),), n) for n, (_, b) in enumerate(parts)])
+    direct = statistics_of(GradientSamples(grads, sizes, groups if within_node else torch.zeros_like(groups)))
+    got = trainer_statistics(parts, within_node)
+    assert got.dof == direct.dof
+    for field in ("sq_norm", "weighted_dev", "plain_dev", "inner", "ortho_dev"):
+        assert getattr(got, field) == pytest.approx(getattr(direct, field), rel=1e-9), field
 
 
 def test_norm_test_hand_values():

@@ -43,7 +43,7 @@ def worker(rank: int, store: str, out: str) -> None:
             share = NodeGradientSums.of(grads, sizes, within_node)
             buffer = share.pack()
             dist.all_reduce(buffer)  # one vector all-reduce: the b-weighted gradient sum plus scalars
-            total = NodeGradientSums.unpack(buffer)
+            total = NodeGradientSums.unpack(buffer, within_node)
             mean = total.weighted_sum / total.batch
             inner = torch.tensor([share.inner_sum(grads, sizes, mean, within_node)], dtype=torch.float64)
             dist.all_reduce(inner)  # then one scalar

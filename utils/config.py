@@ -68,6 +68,15 @@ class Config:
     node_execution: str = _f("auto", "How the nodes of a round run: threads (concurrent, as in the paper), "
                              "sequential, or auto (threads only when nodes sit on distinct CUDA devices). "
                              "Results do not depend on it.", choices=("auto", "threads", "sequential"))
+    precision: str = _f("fp32", "Precision of the nodes' forward/backward passes and of evaluation: fp32, tf32 "
+                        "(CUDA TensorFloat-32 matmuls), bf16 (autocast; CUDA or CPU) or fp16 (autocast with a "
+                        "per-node loss scaler, as the paper). Weights, masters and the outer step stay fp32.",
+                        choices=("fp32", "tf32", "bf16", "fp16"))
+    compile: bool = _f(False, "torch.compile each node's model replica once (the first steps of a run, and of "
+                       "each new batch shape, pay the compile time; needs sequential nodes in one process).")
+    log_batch_statistics: bool = _f(True, "With a batch schedule that ignores them (constant, linear_rampup): still "
+                                    "compute and log the batch tests' statistics; false skips the gradient "
+                                    "samples entirely there.")
     padding_percentage: float = _f(0.9, "Fraction of a device's memory budget usable by its nodes "
                                    "(safety margin of the max-batch probe).", min=0.05, max=1.0)
     device_memory_mb: float = _f(0.0, "Memory of one simulated CPU device in MiB for the max-batch probe "
@@ -188,6 +197,11 @@ class Config:
         for device in self.devices:
             if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
                 raise ConfigError("devices", f"'{device}' is not cpu, cuda or cuda:N")
+        if self.precision == "tf32" and not any(d.startswith("cuda") for d in self.devices):
+            raise ConfigError("precision", "tf32 is a CUDA matmul mode; on CPU use fp32 (or bf16)")
+        if self.compile and self.node_execution == "threads":
+            raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
+                              "(or torchrun, one node per process)")
         total_nodes = len(self.devices) * self.nodes_per_gpu
         if self.num_init_trainers > total_nodes:
             raise ConfigError("num_init_trainers", f"{self.num_init_trainers} trainers need at least as many "
