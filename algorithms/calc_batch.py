@@ -110,14 +110,14 @@ class NodeGradientSums:
 
     @classmethod
     def of(cls, grads: torch.Tensor, batch_sizes: torch.Tensor, within_node: bool) -> NodeGradientSums:
+        # fp64, in as few passes over the [k, P] samples as possible (matmuls and norms, no squares kept)
         g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
-        weighted_sum = (b[:, None] * g).sum(0)
+        weighted_sum = b @ g
         weighted_dev = plain_dev = 0.0
         if within_node:
-            d = g - weighted_sum / b.sum()
-            sq_dev = (d**2).sum(dim=1)
+            sq_dev = torch.linalg.vector_norm(g - weighted_sum / b.sum(), dim=1) ** 2
             weighted_dev, plain_dev = float((b * sq_dev).sum()), float(sq_dev.sum())
-        sq = (g**2).sum(dim=1)
+        sq = torch.linalg.vector_norm(g, dim=1) ** 2
         return cls(weighted_sum, None if within_node else g.sum(0), float(b.sum()), float((b * sq).sum()),
                    float(sq.sum()), len(b), int(within_node), weighted_dev, plain_dev)
 
@@ -154,7 +154,7 @@ class NodeGradientSums:
         """This node's sum_i b_i <d_i, mean>^2, given the trainer's mean."""
         g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
         group_mean = self.weighted_sum / self.batch if within_node else mean
-        return float((b * ((g - group_mean) @ mean) ** 2).sum())
+        return float((b * (g @ mean - group_mean @ mean) ** 2).sum())  # <g_i - group mean, mean>, no [k, P] temporary
 
     def statistics(self, inner: float, within_node: bool) -> GradientStatistics:
         """The trainer's statistics from the summed node shares (self) and the summed inner sums."""
@@ -174,6 +174,7 @@ def trainer_statistics(node_samples: list[tuple[torch.Tensor, torch.Tensor]], wi
     """A trainer's statistics from its nodes' samples (each on its node's device), in one process: the
     same two reductions as across processes (node sums, then the inner sums), added on the first node's
     device, so no sample is stacked or copied to the host."""
+    node_samples = [(g.double(), b) for g, b in node_samples]  # once: both passes below read fp64
     shares = [NodeGradientSums.of(g, b, within_node) for g, b in node_samples]
     device = shares[0].weighted_sum.device
     total = shares[0]

@@ -188,9 +188,10 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
             for step in range(1, cfg.num_outer_steps + 1):
                 start = time.perf_counter()
                 rows = cluster.run_outer_step(step)
-                t = time.perf_counter()
+                t, evaluating = time.perf_counter(), times["eval"]
                 cluster.merge(step, {r["trainer_id"]: r[metric] for r in rows})
-                times["merge"] += time.perf_counter() - t
+                # the merged model's evaluation is counted under evaluation, not twice
+                times["merge"] += time.perf_counter() - t - (times["eval"] - evaluating)
                 times["total"] += time.perf_counter() - start
         finally:
             cluster_module.trainer_statistics = trainer_statistics
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         parse_variant(variant)
     torch.manual_seed(0)
-    base = ["clearml_mode=off", f"model_config.name={args.preset}", f"devices=[{device}]"]
+    base = ["clearml_mode=off", f"model_config.name={args.preset}", f"devices=[{device}]", "nodes_per_gpu=2",
+            "num_init_trainers=2"]
     if args.seq_len:
         base.append(f"seq_len={args.seq_len}")
     cfg = load_config(args.config, base)

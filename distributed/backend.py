@@ -188,7 +188,8 @@ class DistributedBackend:
         """The trainer's batch-test statistics: one packed all-reduce of the nodes' sums, one of a scalar."""
         have = outcome is not None and outcome.grad_samples is not None
         if have:
-            share = NodeGradientSums.of(outcome.grad_samples, outcome.sample_batches, self.within_node)
+            samples = outcome.grad_samples.double()  # once: both passes read fp64
+            share = NodeGradientSums.of(samples, outcome.sample_batches, self.within_node)
             buffer = share.pack()
         else:  # this node failed: it adds nothing, but takes part in its group's reductions
             size = NodeGradientSums.packed_size(self.grad_numel, self.within_node)
@@ -197,8 +198,8 @@ class DistributedBackend:
             buffer = self._all_reduce(buffer, members, "statistics")
         total = NodeGradientSums.unpack(buffer, self.within_node)
         mean = total.weighted_sum / total.batch
-        inner = torch.tensor([share.inner_sum(outcome.grad_samples, outcome.sample_batches,
-                                              mean.to(outcome.grad_samples.device), self.within_node)
+        inner = torch.tensor([share.inner_sum(samples, outcome.sample_batches, mean.to(samples.device),
+                                              self.within_node)
                               if have else 0.0], dtype=torch.float64)
         if len(members) > 1:
             inner = self._all_reduce(inner, members, "statistics")
