@@ -96,7 +96,9 @@ def run_node(node: Node, job: NodeJob) -> NodeResult | NodeFault:
     return fault or result
 
 
-def combine(results: list[NodeResult], within_node: bool) -> dict[int, RoundResult]:
+def combine(results: list[NodeResult], within_node: bool, device: str = "cpu") -> dict[int, RoundResult]:
+    """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
+    order; and the batch test's statistics from the nodes' samples."""
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
@@ -104,9 +106,9 @@ def combine(results: list[NodeResult], within_node: bool) -> dict[int, RoundResu
     for trainer_id, group in by_trainer.items():
         mean = {}
         for name in group[0].state:
-            acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32)
+            acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32, device=device)
             for r in group:
-                acc += r.state[name].detach().to("cpu", torch.float32)
+                acc += r.state[name].detach().to(device, torch.float32)
             mean[name] = acc / len(group)
         combined[trainer_id] = RoundResult(
             node_mean=mean, nodes=[r.node_id for r in group],
@@ -127,8 +129,8 @@ class RoundBackend:
     of its trainer's mean; a stop request (RoundAbandoned) is raised once every node has left its round.
     """
 
-    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool) -> None:
-        self.nodes, self.within_node = nodes, within_node
+    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu") -> None:
+        self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
     def _run_one(self, job: NodeJob) -> NodeResult | NodeFault:
@@ -148,7 +150,7 @@ class RoundBackend:
             if abandoned is not None:
                 raise abandoned
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
-        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node), faults
+        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device), faults
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""
@@ -182,6 +184,14 @@ def use_threads(cfg: Config) -> bool:
     # Threads pay off when nodes sit on distinct accelerators; on CPU cores they only contend.
     cuda = [d for d in cfg.devices if d.startswith("cuda")]
     return len(set(cuda)) > 1 and len(cuda) == len(cfg.devices)
+
+
+def master_device_of(cfg: Config, node_devices: list[str]) -> str:
+    """master_device auto: the nodes' GPU when every node (of this process) is on the same one, else the CPU."""
+    if cfg.master_device == "cpu":
+        return "cpu"
+    devices = {str(torch.device(d if d != "cuda" else "cuda:0")) for d in node_devices}
+    return devices.pop() if len(devices) == 1 and next(iter(devices)).startswith("cuda") else "cpu"
 
 
 def rng_state(cuda: bool = False) -> dict:
@@ -277,8 +287,10 @@ class ClusterController:
         initial = float_state(model)
         parameter_names = {n for n, _ in model.named_parameters()}
         trainer_ids = resume.trainers if resume is not None else range(cfg.num_init_trainers)
+        self.master_device = master_device_of(cfg, [n.device for n in self.nodes if n.model is not None])
         self.trainers: dict[int, Trainer] = {
-            t: algo(t, initial, parameter_names, cfg, ShardSampler(len(data.train), cfg.training_seed * 1000 + t))
+            t: algo(t, initial, parameter_names, cfg, ShardSampler(len(data.train), cfg.training_seed * 1000 + t),
+                    self.master_device)
             for t in trainer_ids}
         self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
         # (trainer, weights version) each node holds; None = the common initial weights
@@ -287,7 +299,7 @@ class ClusterController:
         self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device,
                                    self.precision)
         if local is None:
-            self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes)
+            self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes, self.master_device)
         else:
             from distributed import torchrun
             from distributed.backend import DistributedBackend
@@ -297,7 +309,7 @@ class ClusterController:
             shapes = {k: v.shape for k, v in floats.items()}
             self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, trainable,
                                               self.pool_within_nodes, torchrun.comm_device(cfg, dist_env),
-                                              torchrun.store())
+                                              torchrun.store(), self.master_device)
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
         self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
         self.tokens_total = 0

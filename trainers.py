@@ -199,10 +199,11 @@ class Trainer:
     algorithm = ""
 
     def __init__(self, trainer_id: int, initial_state: dict[str, torch.Tensor], parameter_names: set[str],
-                 cfg: Config, sampler: ShardSampler) -> None:
+                 cfg: Config, sampler: ShardSampler, device: str = "cpu") -> None:
         self.trainer_id = trainer_id
-        # fp32 master copy on CPU: off the accelerators, as OpenDiLoCo, prime and torchft do.
-        self.master = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in initial_state.items()}
+        # fp32 master copy: on the CPU (off the accelerators, as OpenDiLoCo, prime and torchft do), or on
+        # the nodes' GPU when they all share one (config master_device): no host round trip per round
+        self.master = {k: v.detach().to(device, torch.float32, copy=True) for k, v in initial_state.items()}
         self.parameter_names = parameter_names
         self.requested_batch = cfg.initial_batch_size
         self.sampler = sampler
@@ -309,7 +310,7 @@ class DiLoCoTrainer(Trainer):
         for name, value in node_mean.items():
             master = self.master[name]
             if name in self.parameter_names:
-                master.grad = master - value.to(master.dtype)  # pseudo-gradient: points away from the nodes
+                master.grad = master - value.to(master.device, master.dtype)  # pseudo-gradient: away from the nodes
             else:
                 master.copy_(value)  # floating buffers follow the nodes' average
         if not all(torch.isfinite(self.master[n].grad).all() for n in self.parameter_names):

@@ -36,7 +36,8 @@ from utils.errors import UserError
 
 class DistributedBackend:
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
-                 grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None) -> None:
+                 grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
+                 master_device: str = "cpu") -> None:
         from cluster import NodeFault  # cluster imports this module lazily; no cycle at import time
 
         self._fault_type = NodeFault
@@ -47,6 +48,7 @@ class DistributedBackend:
         self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters)
         self.within_node = within_node
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
+        self.master_device = master_device  # where the trainers' masters (and so the node mean) live
         self.store, self.phase = store, 0  # arrival marks: who did not reach a collective (hung or dead)
         self.groups: dict[tuple[int, ...], object] = {}
         # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
@@ -76,13 +78,15 @@ class DistributedBackend:
         self.round_comm["seconds"] += seconds
 
     def _all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> torch.Tensor:
-        """SUM over the group `members` (this rank among them); returns the result on the CPU."""
+        """SUM over the group `members` (this rank among them); the result stays on the comm device."""
         start = time.perf_counter()
         on_device = tensor.to(self.comm_device)
         dist.all_reduce(on_device, group=self._group(members))
+        if on_device.is_cuda:  # NCCL returns at once: wait, so the seconds are the collective's
+            torch.cuda.synchronize(on_device.device)
         n = len(members)
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
-        return on_device.cpu()
+        return on_device
 
     def _arrive(self) -> None:
         """Mark this rank as having reached the next world collective (read only when one fails)."""
@@ -162,7 +166,7 @@ class DistributedBackend:
             weights = self._flat(outcome.state if good else None)
             if len(members[mine]) > 1:
                 weights = self._all_reduce(weights, members[mine], "weights")
-            node_mean = self._unflat(weights.cpu() / len(good_facts[mine]))
+            node_mean = self._unflat(weights.to(self.master_device) / len(good_facts[mine]))
             if any(f["has_samples"] for f in good_facts[mine]):
                 statistics = self._statistics(outcome if good else None, members[mine])
         # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from cluster import master_device_of
 from fabrics.precision import PRECISIONS
 from run import train
 from tests.conftest import ROOT, TINY
@@ -111,3 +112,14 @@ def test_precision_and_compile_config_errors(tiny_config, overrides, key, words)
     with pytest.raises(ConfigError) as err:
         tiny_config(*overrides)
     assert err.value.key == key and words in str(err.value)
+
+
+@pytest.mark.parametrize("setting, devices, expected", [
+    ("auto", ["cpu", "cpu"], "cpu"),
+    ("auto", ["cuda", "cuda:0"], "cuda:0"),  # one GPU shared by every node: the masters join it
+    ("auto", ["cuda:0", "cuda:1"], "cpu"),  # several GPUs: one place for the masters is the host
+    ("auto", ["cuda:0", "cpu"], "cpu"),
+    ("cpu", ["cuda:0", "cuda:0"], "cpu"),
+])
+def test_master_device_rule(tiny_config, setting, devices, expected):
+    assert master_device_of(tiny_config(f"master_device={setting}"), devices) == expected

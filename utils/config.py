@@ -72,6 +72,10 @@ class Config:
                         "(CUDA TensorFloat-32 matmuls), bf16 (autocast; CUDA or CPU) or fp16 (autocast with a "
                         "per-node loss scaler, as the paper). Weights, masters and the outer step stay fp32.",
                         choices=("fp32", "tf32", "bf16", "fp16"))
+    master_device: str = _f("auto", "Where the trainers' fp32 master weights and outer optimizer state live: cpu, "
+                            "or auto (the nodes' GPU when every node of this process is on the same CUDA device, as in "
+                            "the paper's one-GPU simulation and under torchrun; otherwise cpu).",
+                            choices=("auto", "cpu"))
     compile: bool = _f(False, "torch.compile each node's model replica once (the first steps of a run, and of "
                        "each new batch shape, pay the compile time; needs sequential nodes in one process).")
     log_batch_statistics: bool = _f(True, "With a batch schedule that ignores them (constant, linear_rampup): still "
