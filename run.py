@@ -26,6 +26,7 @@ import yaml
 
 from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
 from utils.errors import ConfigError, RunStopped, UserError
+from utils.preflight import check_before_work
 
 log = logging.getLogger("run")
 TRACKER_CLOSE_TIMEOUT_S = 15.0
@@ -79,25 +80,6 @@ def check_devices(cfg: Config) -> None:
         index = int(device.split(":")[1]) if ":" in device else 0
         if index >= torch.cuda.device_count():
             raise ConfigError("devices", f"'{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
-
-
-def check_model_limits(cfg: Config) -> None:
-    """seq_len within the model's positions, read from the preset or a local config.json (no weights loaded)."""
-    from fabrics.models import load_preset, preset_names
-
-    name = cfg.model_config.name
-    if name in preset_names():
-        config = load_preset(name).to_dict()
-    elif (Path(name).expanduser() / "config.json").is_file():
-        try:
-            config = json.loads((Path(name).expanduser() / "config.json").read_text())
-        except ValueError:
-            raise UserError(f"model_config.name: {name}/config.json is not valid JSON") from None
-    else:
-        return  # a Hub id: checked once the model is loaded
-    limit = config.get("max_position_embeddings")
-    if isinstance(limit, int) and cfg.seq_len > limit:
-        raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,7 +172,7 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     if env is not None:
         torchrun.check(cfg, env)
     check_devices(cfg)
-    check_model_limits(cfg)
+    check_before_work(cfg, resuming=resume is not None)  # model, data paths, run_name: before any data work
     # Heavy imports after validation, so config errors come back instantly.
     from cluster import ClusterController
     from fabrics.dataset_loader import load_corpus

@@ -116,16 +116,52 @@ def test_unwritable_log_dir_is_one_line(tmp_path, capsys):
 
 
 def test_a_failed_run_logs_its_error_and_never_blocks_a_retry(tiny_config, tmp_path, capsys):
-    cfg = tiny_config("run_name=retry", "dataset=c4", f"c4_local_path={tmp_path / 'missing'}")
+    shard = tmp_path / "c4" / "en" / "c4-train.00000-of-01024.json.gz"  # only reading it shows the damage
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(SHARD.read_bytes()[: SHARD.stat().st_size // 2])
+    cfg = tiny_config("run_name=retry", "dataset=c4", f"c4_local_path={tmp_path / 'c4'}")
     for _ in range(2):
-        with pytest.raises(DataError, match="c4_local_path: directory not found"):
+        with pytest.raises(DataError, match="is not a complete gzip text file"):
             train(cfg)
     log_dir = Path(cfg.log_dir)
     stubs = sorted(p.name for p in log_dir.iterdir() if p.name.startswith("retry.failed_"))
     assert len(stubs) == 1  # the first attempt's directory, moved aside and kept
     for run in (log_dir / "retry", log_dir / stubs[0]):
-        assert "c4_local_path: directory not found" in (run / "training_log.log").read_text()
+        assert "is not a complete gzip text file" in (run / "training_log.log").read_text()
         assert not (run / "run.lock").exists()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model_config.name=microllama-huge"], "model_config.name: 'microllama-huge' is neither a preset"),
+    (["model_config.name=./no/such/model", "model_config.pretrained=true"],
+     "model_config.name: ./no/such/model is not a Hugging Face model directory"),
+    (["dataset=c4", "c4_local_path={tmp}/missing"], "c4_local_path: directory not found"),
+    (["dataset=c4", "c4_tokenized_path={tmp}/tokenized", "seq_len=32"],
+     "was packed with seq_len 64, the config asks for seq_len 32"),
+    (["model_type=bert", "dataset=imdb", "model_config.name=bert-tiny", "imdb_local_path={tmp}/missing"],
+     "imdb_local_path: directory not found"),
+    (["run_name=taken"], "holds a run with checkpoints; continue it with `python run.py --resume"),
+])
+def test_input_errors_arrive_before_any_data_is_loaded(tmp_path, capsys, monkeypatch, overrides, words):
+    """No corpus loading, no tokenizer training, no run directory: one line and exit 2."""
+    import fabrics.dataset_loader
+
+    def no_data(cfg):
+        raise AssertionError("data was loaded before the input was checked")
+
+    monkeypatch.setattr(fabrics.dataset_loader, "load_corpus", no_data)
+    tokenized = tmp_path / "tokenized"
+    tokenized.mkdir()
+    (tokenized / "metadata.json").write_text(json.dumps({"seq_len": 64, "tokenizer": "x"}))
+    logs = tmp_path / "logs"
+    (logs / "taken" / "model_weights" / "outer_step_0001").mkdir(parents=True)
+    (logs / "taken" / "model_weights" / "outer_step_0001" / "manifest.json").write_text("{}")
+    before = sorted(p.name for p in logs.iterdir())
+    args = [o.format(tmp=tmp_path) for o in overrides]
+    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off", *args]) == 2
+    (line,) = error_lines(capsys)
+    assert words in line
+    assert sorted(p.name for p in logs.iterdir()) == before  # no run directory was made
 
 
 def test_devices_and_model_limits_are_checked_before_any_data_work(tmp_path, capsys, monkeypatch):

@@ -58,7 +58,6 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
     --resume), and so is one that is not a run directory; a run directory without checkpoints (the stub of
     a failed run) is renamed to <run_name>.failed_<date>, never deleted.
     """
-    from utils.checkpoint import MANIFEST
     from utils.errors import UserError
 
     root = Path(log_dir).expanduser()
@@ -67,15 +66,10 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         if run_name:
             path = root / run_name
-            if path.exists() and not path.is_dir():
-                raise UserError(f"run_name: {path} exists and is not a directory")
+            problem = refused_run_name(path)
+            if problem:
+                raise UserError(problem)
             if path.is_dir() and any(path.iterdir()):
-                if any((path / "model_weights").glob(f"*/{MANIFEST}")):
-                    raise UserError(f"run_name: {path} holds a run with checkpoints; continue it with "
-                                    f"`python run.py --resume {path}` or choose another run_name")
-                if not (path / "config.yaml").is_file():
-                    raise UserError(f"run_name: {path} already exists and is not a run directory; "
-                                    "choose another run_name")
                 aside = _unique(root / f"{run_name}.failed_{stamp}")
                 path.rename(aside)
                 logging.getLogger(__name__).warning("run_name: %s held a run without checkpoints; moved to %s",
@@ -93,6 +87,21 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
         raise UserError(f"log_dir: could not find a free run directory name in {root}")
     except OSError as exc:
         raise UserError(f"log_dir: cannot create a run directory in {root} ({exc.strerror or exc})") from None
+
+
+def refused_run_name(path: Path) -> str | None:
+    """Why a named run directory cannot be used for a new run (None: it can)."""
+    from utils.checkpoint import MANIFEST
+
+    if path.exists() and not path.is_dir():
+        return f"run_name: {path} exists and is not a directory"
+    if path.is_dir() and any(path.iterdir()):
+        if any((path / "model_weights").glob(f"*/{MANIFEST}")):
+            return (f"run_name: {path} holds a run with checkpoints; continue it with "
+                    f"`python run.py --resume {path}` or choose another run_name")
+        if not (path / "config.yaml").is_file():
+            return f"run_name: {path} already exists and is not a run directory; choose another run_name"
+    return None
 
 
 def _unique(path: Path) -> Path:

@@ -1,0 +1,94 @@
+"""What can be checked from the config and the file system, checked before any heavy import or data work.
+
+Each check raises the same one-line error the loader would raise later, only at once: a wrong preset,
+a missing C4 or IMDB directory, a tokenized C4 dataset packed for another seq_len, or a run_name that
+holds another run, used to surface after a minute of imports, corpus loading and tokenizer training,
+and to leave a stub run directory behind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from utils.config import Config
+from utils.errors import ConfigError, DataError, UserError
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "fabrics" / "model_configs"
+C4_METADATA_FILE = "metadata.json"  # as fabrics.c4_data.METADATA_FILE (not imported: it pulls in datasets)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a Hub id ('owner/name')."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
+
+
+def check_model(cfg: Config) -> None:
+    """The preset or local model exists, and seq_len is within its positions (read from its JSON; no weights
+    loaded). A Hub id is checked when the model is loaded."""
+    name = cfg.model_config.name
+    local = Path(name).expanduser() / "config.json"
+    if name in preset_names() and not cfg.model_config.pretrained:
+        config_file = PRESETS_DIR / f"{name}.json"
+    elif local.is_file():
+        config_file = local
+    elif cfg.model_config.pretrained:
+        if _looks_local(name):
+            raise UserError(f"model_config.name: {name} is not a Hugging Face model directory (no config.json)")
+        return
+    else:
+        raise UserError(f"model_config.name: '{name}' is neither a preset ({', '.join(preset_names())}) nor a "
+                        "local model directory; for Hub weights set model_config.pretrained: true")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"model_config.name: {config_file} is not valid JSON") from None
+    limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(limit, int) and cfg.seq_len > limit:
+        raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
+
+
+def check_data(cfg: Config) -> None:
+    if cfg.dataset == "c4" and cfg.c4_tokenized_path:
+        path = Path(cfg.c4_tokenized_path).expanduser()
+        if not path.is_dir():
+            raise DataError(f"c4_tokenized_path: directory not found: {path}")
+        meta_file = path / C4_METADATA_FILE
+        if not meta_file.is_file():
+            raise DataError(f"c4_tokenized_path: {path} has no {C4_METADATA_FILE}; write it with c4/tokenize_c4.py")
+        try:
+            seq_len = json.loads(meta_file.read_text()).get("seq_len")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise DataError(f"c4_tokenized_path: {meta_file} is not readable JSON ({type(exc).__name__})") from None
+        if seq_len != cfg.seq_len:
+            raise DataError(f"c4_tokenized_path: {path} was packed with seq_len {seq_len}, the config asks for "
+                            f"seq_len {cfg.seq_len}; set seq_len: {seq_len} or re-run tokenize_c4.py")
+    elif cfg.dataset == "c4" and cfg.c4_local_path:
+        path = Path(cfg.c4_local_path).expanduser()
+        if not path.is_dir():
+            raise DataError(f"c4_local_path: directory not found: {path}")
+    if cfg.dataset == "imdb" and cfg.imdb_local_path:
+        path = Path(cfg.imdb_local_path).expanduser()
+        if not path.is_dir():
+            raise DataError(f"imdb_local_path: directory not found: {path}")
+
+
+def check_run_name(cfg: Config) -> None:
+    """A named run directory that already holds a run (or something else) is refused now, not after loading."""
+    from utils.utils import refused_run_name
+
+    if cfg.run_name:
+        problem = refused_run_name(Path(cfg.log_dir).expanduser() / cfg.run_name)
+        if problem:
+            raise UserError(problem)
+
+
+def check_before_work(cfg: Config, resuming: bool) -> None:
+    check_model(cfg)
+    check_data(cfg)
+    if not resuming:
+        check_run_name(cfg)
