@@ -274,11 +274,64 @@ def _from_documents(cfg: Config, train_docs: datasets.Dataset, val_docs: dataset
         val_origin = "held-out documents"
     else:
         val_origin = "validation split"
-    tokenizer = build_tokenizer(cfg, train_docs["text"], cache_dir_of(cfg), corpus)
-    train = to_packed(tokenize_and_pack(train_docs, tokenizer, cfg.seq_len))
-    val = to_packed(tokenize_and_pack(val_docs, tokenizer, cfg.seq_len))
+    train_texts = train_docs["text"]
+    tokenizer = build_tokenizer(cfg, train_texts, cache_dir_of(cfg), corpus)
+    cache = packed_cache_path(cfg, tokenizer, corpus, train_texts, val_docs["text"])
+    cached = load_packed(cache)
+    if cached is not None:
+        train, val = cached
+        log.info("data: the tokenized, packed corpus came from the cache (%s)", cache)
+    else:
+        train = to_packed(tokenize_and_pack(train_docs, tokenizer, cfg.seq_len))
+        val = to_packed(tokenize_and_pack(val_docs, tokenizer, cfg.seq_len))
+        save_packed(cache, train, val)
+        log.info("data: tokenized and packed; cached for the next run in %s", cache)
     return finish_corpus(cfg, train, val, tokenizer, f"{corpus}: {len(train_docs)} train documents, "
                          f"{len(val_docs)} validation documents ({val_origin})")
+
+
+PACKED_CACHE_VERSION = 1  # bump when packing changes: older cache entries are then never read
+
+
+def packed_cache_path(cfg: Config, tokenizer: PreTrainedTokenizerBase, corpus: str, train_texts: list[str],
+                      val_texts: list[str]) -> Path:
+    """cache_dir/packed/<key>.pt, the key covering everything that defines the packed sequences: the
+    documents of each split (their texts, in order), the tokenizer (its vocabulary and special tokens),
+    seq_len, the source, and the packing code's version."""
+    from fabrics.c4_data import vocab_hash
+
+    digest = hashlib.sha256()
+    for part in (str(PACKED_CACHE_VERSION), corpus, str(cfg.seq_len), vocab_hash(tokenizer),
+                 str(tokenizer.eos_token_id), str(tokenizer.pad_token_id)):
+        digest.update(part.encode() + b"\x00")
+    for split, texts in (("train", train_texts), ("val", val_texts)):
+        digest.update(f"{split}:{len(texts)}".encode() + b"\x00")
+        for text in texts:
+            digest.update(text.encode() + b"\x00")
+    return cache_dir_of(cfg) / "packed" / f"{digest.hexdigest()[:24]}.pt"
+
+
+def load_packed(path: Path) -> tuple[PackedData, PackedData] | None:
+    if not path.is_file():
+        return None
+    try:
+        stored = torch.load(path, weights_only=True)
+        return PackedData(*stored["train"]), PackedData(*stored["val"])
+    except Exception as exc:  # a damaged entry is rebuilt, never trusted
+        log.warning("data: ignoring the damaged cache entry %s (%s)", path, type(exc).__name__)
+        return None
+
+
+def save_packed(path: Path, train: PackedData, val: PackedData) -> None:
+    """Written to a temporary file and renamed: an interrupted write leaves no entry behind."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        torch.save({"train": (train.input_ids, train.attention_mask), "val": (val.input_ids, val.attention_mask)},
+                   tmp)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full or read-only cache costs the next run its speed, not this run
+        log.warning("data: could not cache the packed corpus in %s (%s)", path.parent, exc.strerror or exc)
 
 
 def load_embedded(cfg: Config) -> CorpusData:

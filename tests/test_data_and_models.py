@@ -84,3 +84,42 @@ def test_cpu_memory_probe_grows_with_budget_and_refuses_too_small(tiny_config):
     assert 1 <= small < large <= 64
     with pytest.raises(UserError, match="device_memory_mb: not even one sequence"):
         probe(1)
+
+
+def test_the_packed_corpus_is_cached_and_rebuilt_when_anything_defining_it_changes(tiny_config, cache_dir, tmp_path,
+                                                                                   monkeypatch, caplog):
+    import shutil
+
+    from fabrics import dataset_loader
+
+    own_cache = tmp_path / "cache"  # the session's wheel and tokenizers, without its packed corpora
+    shutil.copytree(cache_dir, own_cache, ignore=shutil.ignore_patterns("packed"))
+    packs = []
+    original = dataset_loader.tokenize_and_pack
+    monkeypatch.setattr(dataset_loader, "tokenize_and_pack", lambda *a, **k: packs.append(1) or original(*a, **k))
+
+    def load(*overrides):
+        packs.clear()
+        return load_corpus(tiny_config(f"cache_dir={own_cache}", *overrides))
+
+    first = load()
+    assert packs and len(list((own_cache / "packed").glob("*.pt"))) == 1
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fabrics.dataset_loader"):
+        second = load()
+    assert not packs and "came from the cache" in caplog.text
+    for a, b in ((first.train, second.train), (first.val, second.val)):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask, b.attention_mask)
+        assert torch.equal(a.tokens_per_sequence, b.tokens_per_sequence)
+    # seq_len, the documents (another shuffle, another source) and the tokenizer each make a new entry
+    for change in ("seq_len=64", "training_seed=7", "embedded_sources=[tiny, wiki]", "tokenizer_vocab_size=600"):
+        load(change)
+        assert packs, change
+    assert len(list((own_cache / "packed").glob("*.pt"))) == 5
+    # a damaged entry is rebuilt, not trusted
+    (entry,) = [p for p in (own_cache / "packed").glob("*.pt")
+                if dataset_loader.load_packed(p)[0].input_ids.shape == first.train.input_ids.shape
+                and torch.equal(dataset_loader.load_packed(p)[0].input_ids, first.train.input_ids)]
+    entry.write_bytes(b"not a torch file")
+    third = load()
+    assert packs and torch.equal(third.train.input_ids, first.train.input_ids)

