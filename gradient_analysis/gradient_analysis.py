@@ -103,8 +103,8 @@ class GradientProbe:
         self.params = [p for p in model.parameters() if p.requires_grad]
         model.train()
 
-    def gradient(self, indices: torch.Tensor) -> torch.Tensor:
-        """(1/|I|) sum_{i in I} grad l_i as one flat fp32 vector on the device."""
+    def gradient(self, indices: torch.Tensor, bar: tqdm | None = None) -> torch.Tensor:
+        """(1/|I|) sum_{i in I} grad l_i as one flat fp32 vector on the device (bar: advanced per chunk)."""
         for p in self.params:
             p.grad = None
         for chunk in indices.split(self.chunk):
@@ -113,13 +113,16 @@ class GradientProbe:
             labels = None if self.data.labels is None else self.data.labels[chunk].to(self.device)
             # weight |chunk| / |I|: the sum over chunks is exactly the mean over I
             (per_sample_loss(self.model, ids, mask, labels).sum() / len(indices)).backward()
+            if bar is not None:
+                bar.update(len(chunk))
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                           for p in self.params])
 
 
 def analyse(probe: GradientProbe, sample: torch.Tensor, batch_sizes: list[int], repeats: int, seed: int,
             progress: bool = True) -> tuple[torch.Tensor, dict[int, BatchSizeResult]]:
-    full = probe.gradient(sample).clone()
+    with tqdm(total=len(sample), desc="full gradient", unit="sample", disable=not progress) as full_bar:
+        full = probe.gradient(sample, full_bar).clone()
     norm = float(full.norm())
     results = {}
     gen = torch.Generator().manual_seed(seed)
@@ -201,7 +204,7 @@ def plot_histograms(results: dict[int, BatchSizeResult], summaries: dict[int, di
     paths = []
     for b, res in results.items():
         s = summaries[b]
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(9.5, 5))
         ax.hist(res.deviations, bins=min(50, max(5, len(res.deviations) // 2)), density=True, color="tab:blue",
                 edgecolor="black", alpha=0.8)
         ax.axvline(s["mean_deviation"], color="red", ls="--", label=f"mean {s['mean_deviation']:.4g}")
@@ -211,10 +214,11 @@ def plot_histograms(results: dict[int, BatchSizeResult], summaries: dict[int, di
         text = "\n".join([f"model: {info['model']}", f"checkpoint: {info['checkpoint']}",
                           f"dataset: {info['dataset']}", f"samples: {info['num_samples']}", f"batch size: {b}",
                           f"mini-batches: {s['num_batches']}", f"excess kurtosis: {s['excess_kurtosis']:.3g}"])
-        ax.text(0.98, 0.97, text, transform=ax.transAxes, ha="right", va="top", fontsize=8,
+        # info and legend beside the axes: over them they would hide the tallest bars
+        ax.text(1.02, 1.0, text, transform=ax.transAxes, ha="left", va="top", fontsize=8,
                 bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
-        ax.legend(loc="upper left")
-        fig.tight_layout()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+        fig.tight_layout(rect=(0, 0, 0.8, 1))
         path = out / f"gradient_deviation_hist_B{b}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)

@@ -127,7 +127,7 @@ def test_memory_step_loss_and_plots_of_a_run(tiny_config):
     assert {r["learning_rate"] for r in steps} == {"0.003"}
     assert {r["micro_batch"] for r in steps if r["outer_step"] == "1"} == {"2"}  # initial_batch_size
     report = run_dir / "model_training_report"
-    for name in ("val_perplexity_vs_tokens.png", "val_perplexity_vs_syncs.png", "node_assignment.png",
+    for name in ("val_perplexity_vs_tokens.png", "val_perplexity_vs_communication.png", "node_assignment.png",
                  "step_loss.png", "trainers_alive.png"):
         assert (report / name).stat().st_size > 5000, name
     assert (run_dir / "memory_report" / "memory_usage.png").is_file()
@@ -168,3 +168,23 @@ def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path)
     with logger.csv_path.open() as f:
         rows = [(r["trainer_id"], r["outer_step"]) for r in csv.DictReader(f)]
     assert len(rows) == len(set(rows)) == threads * per_thread
+
+
+def test_perplexity_axes_are_readable():
+    """A decade or more: log scale with labelled 1-2-3-5 ticks (the final value can be read); less: linear."""
+    import matplotlib.pyplot as plt
+
+    from training_logs.plots import _readable_y
+
+    fig, ax = plt.subplots()
+    values = [4100.0, 1500.0, 700.0, 326.5]
+    ax.plot(range(4), values)
+    _readable_y(ax, values)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1]]
+    assert ax.get_yscale() == "log" and {"500", "1000", "2000"} <= set(labels)
+    assert any(label in ("300", "400") for label in labels)  # a label near the final value
+    fig, ax = plt.subplots()
+    _readable_y(ax, [523.5, 190.2])
+    assert ax.get_yscale() == "linear"
+    plt.close("all")

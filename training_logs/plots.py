@@ -1,8 +1,9 @@
 """PNG plots of a run, drawn from its CSV files (so they can be redrawn at any time).
 
-training_log.csv -> validation metric per trainer against outer step, tokens and syncs (the
-best trainer of each step drawn bold: the surviving model's path), requested batch per trainer,
-trainers alive, node assignment over time. step_loss_log.csv -> loss per trainer with merges marked.
+training_log.csv -> validation metric per trainer against outer step (the best trainer of each step
+drawn bold: the surviving model's path) and against each trainer's own tokens; the best model alive
+against rounds, syncs and bytes (the cluster's communication); requested batch per trainer, trainers
+alive, node assignment over time. step_loss_log.csv -> loss per trainer. Merges are drawn dotted.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
+from matplotlib.transforms import offset_copy  # noqa: E402
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -24,10 +27,27 @@ def _read(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def _save(ax, path: Path, merges: list[int], xlabel: str, ylabel: str, title: str) -> Path:
-    for step in merges:
-        ax.axvline(step, color="grey", ls=":", lw=1)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+def _integer_steps(ax) -> None:
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # outer steps: no 0.5, 1.5
+
+
+def _readable_y(ax, values: list[float]) -> None:
+    """Perplexity: a log axis when it spans a decade or more, labelled at 1-2-3-5 steps (so a final value of
+    a few hundred can be read); a linear axis otherwise."""
+    finite = [v for v in values if v == v and 0 < v < float("inf")]
+    if not finite or max(finite) / min(finite) < 10:
+        return
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _save(ax, path: Path, merges: list[float], xlabel: str, ylabel: str, title: str) -> Path:
+    """merges: x positions of the merges, drawn dotted (and named in the title only when there are some)."""
+    for x in merges:
+        ax.axvline(x, color="grey", ls=":", lw=1)
+    ax.set(title=title + (" (dotted: merges)" if merges else ""), xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -45,41 +65,82 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
     for r in rows:
         per_trainer.setdefault(r["trainer_id"], []).append(r)
     label = metric.removeprefix("val_")
+    values = [float(r[metric]) for r in rows]
+    log_y = metric == "val_perplexity"
     outputs = []
 
-    # the best trainer of every step: what a user would keep at that point
+    # the best trainer of every step: what a user would keep at that point (the cluster's model)
     best: dict[int, dict[str, str]] = {}
     for r in rows:
         step, value = int(r["outer_step"]), float(r[metric])
         if step not in best or (value > float(best[step][metric])) == higher_is_better:
             best[step] = r
+    steps = sorted(best)
+
+    # each trainer against outer steps, and against the tokens it has trained on itself
     for x_key, x_label, name in (("outer_step", "outer step", f"{metric}_per_trainer.png"),
-                                 ("global_tokens", "tokens seen (all trainers)", f"{metric}_vs_tokens.png"),
-                                 ("syncs", "syncs (cross-node all-reduces + merges)",
-                                  f"{metric}_vs_syncs.png")):
+                                 ("tokens_seen", "tokens seen by the trainer (its merged members' included)",
+                                  f"{metric}_vs_tokens.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for t, rs in per_trainer.items():
             ax.plot([float(r[x_key] or 0) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3, lw=1,
                     alpha=0.7, label=f"trainer {t}")
-        steps = sorted(best)
-        ax.plot([float(best[s][x_key] or 0) for s in steps], [float(best[s][metric]) for s in steps], color="black",
-                lw=2, label="best trainer (surviving model)")
-        if metric == "val_perplexity":
-            ax.set_yscale("log")
-        marks = merge_steps if x_key == "outer_step" else []
-        outputs.append(_save(ax, out_dir / name, marks, x_label, label, f"Validation {label} (dotted: merges)"))
+        marks: list[float] = []
+        if x_key == "outer_step":
+            ax.plot(steps, [float(best[s][metric]) for s in steps], color="black", lw=2,
+                    label="best trainer (surviving model)")
+            _integer_steps(ax)
+            marks = merge_steps
+        else:  # a merge happens at a different token count for each trainer: marked on the survivor's curve
+            survivors = {int(m["outer_step"]): m["survivor"] for m in _read(merge_path)}
+            merged = [r for r in rows if survivors.get(int(r["outer_step"])) == r["trainer_id"]]
+            if merged:
+                ax.scatter([float(r["tokens_seen"] or 0) for r in merged], [float(r[metric]) for r in merged],
+                           marker="x", s=60, color="black", zorder=3, label="merge (into this trainer)")
+        if log_y:
+            _readable_y(ax, values)
+        title = f"Validation {label}" + (" per trainer" if x_key == "outer_step" else ": each trainer's own tokens")
+        outputs.append(_save(ax, out_dir / name, marks, x_label, label, title))
 
+    # the cluster's model against what the cluster spent on communication (#7's counters)
+    counters = [("rounds", "rounds (outer steps)", 1.0), ("syncs", "syncs (cross-node all-reduces + merges)", 1.0),
+                ("bytes_communicated", "MB communicated", 1e6)]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
+    for ax, (key, x_label, scale) in zip(axes, counters):
+        xs = [float(best[s].get(key) or 0) / scale for s in steps]
+        ax.plot(xs, [float(best[s][metric]) for s in steps], color="black", lw=2, marker="o", ms=3)
+        for step in merge_steps:
+            if step in best:
+                ax.axvline(float(best[step].get(key) or 0) / scale, color="grey", ls=":", lw=1)
+        ax.set(xlabel=x_label)
+        ax.grid(alpha=0.3)
+        if log_y:
+            _readable_y(ax, values)
+    axes[0].set_ylabel(f"{label} of the best model alive")
+    fig.suptitle(f"Validation {label} against communication" + (" (dotted: merges)" if merge_steps else ""))
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{metric}_vs_communication.png", dpi=120)
+    plt.close(fig)
+    outputs.append(out_dir / f"{metric}_vs_communication.png")
+
+    # equal batches would hide each other: each trainer's line is shifted a little and has its own marker
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for t, rs in per_trainer.items():
+    for i, (t, rs) in enumerate(per_trainer.items()):
         rs = [r for r in rs if r["requested_batch"]]
-        ax.step([int(r["outer_step"]) for r in rs], [int(r["requested_batch"]) for r in rs], where="post",
-                label=f"trainer {t}")
-    outputs.append(_save(ax, out_dir / "requested_batch_per_trainer.png", merge_steps, "outer step", "sequences",
-                         "Requested batch per node"))
+        shift = offset_copy(ax.transData, fig=fig, y=1.5 * (i - (len(per_trainer) - 1) / 2), units="points")
+        xs, ys = [int(r["outer_step"]) for r in rs], [int(r["requested_batch"]) for r in rs]
+        ax.step(xs, ys, where="post", marker="os^vD<>ph*"[i % 10], ms=4, transform=shift, label=f"trainer {t}")
+        ax.update_datalim(list(zip(xs, ys)))  # a shifted transform is not autoscaled by itself
+    ax.autoscale_view()
+    _integer_steps(ax)
+    outputs.append(_save(ax, out_dir / "requested_batch_per_trainer.png", merge_steps, "outer step",
+                         "sequences (lines shifted apart slightly)", "Requested batch per trainer"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alive = {int(r["outer_step"]): int(r["trainers_alive"]) for r in rows if r.get("trainers_alive")}
     ax.step(list(alive), list(alive.values()), where="post")
+    _integer_steps(ax)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     outputs.append(_save(ax, out_dir / "trainers_alive.png", merge_steps, "outer step", "trainers",
                          "Trainers alive after each outer step"))
 
@@ -100,6 +161,7 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
         bar = fig.colorbar(image, ax=ax, ticks=range(len(trainers)))
         bar.ax.set_yticklabels([f"trainer {t}" for t in trainers])
         ax.set_yticks(nodes)
+        _integer_steps(ax)
         outputs.append(_save(ax, out_dir / "node_assignment.png", [], "outer step", "node", "Node assignment"))
     return outputs
 
@@ -119,12 +181,13 @@ def plot_step_loss(step_csv: Path, merge_path: Path, out_path: Path) -> Path | N
         xs = sorted(points)
         ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], lw=1, label=f"trainer {t}")
     merges = [int(m["outer_step"]) for m in _read(merge_path)]
+    _integer_steps(ax)
     return _save(ax, out_path, merges, "outer step", "training loss (mean over the trainer's nodes)",
-                 "Inner-step training loss (dotted: merges)")
+                 "Inner-step training loss")
 
 
 def plot_memory(rows: list[dict], cuda_devices: list[str], out_path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for stage in ("before_round", "round_peak", "after_outer_step", "after_merge"):
         points = [(r["outer_step"], r["process_rss_mib"]) for r in rows if r["stage"] == stage]
         if points:
@@ -132,4 +195,12 @@ def plot_memory(rows: list[dict], cuda_devices: list[str], out_path: Path) -> Pa
     for d in cuda_devices:
         points = [(r["outer_step"], r[f"{d}_peak_mib"]) for r in rows if r["stage"] == "round_peak"]
         ax.plot(*zip(*points), ls="--", label=f"{d} peak allocated")
-    return _save(ax, out_path, [], "outer step", "MiB", "Memory by stage")
+    _integer_steps(ax)
+    ax.set(title="Memory by stage", xlabel="outer step", ylabel="MiB")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:  # beside the plot, never over the peak
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
