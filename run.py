@@ -267,13 +267,18 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     if not writes:
         return run_dir, summary
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-    log.info("final model: trainer %d, %s %.4g (start %.4g); %d merges, %d batch increases, "
-             "accumulation used: %s; %d rounds, %d syncs, %.1f MB communicated; %.0f s", summary["final_trainer"],
-             summary["metric"], summary["final_metric"], summary["initial_metric"], summary["merges"],
-             summary["batch_increases"], summary["accumulation_used"], summary["rounds"], summary["syncs"],
-             summary["bytes_communicated"] / 1e6, summary["wall_time_s"])
+    log.info("final model: trainer %d, %s %.4g (start %.4g); %s, %s, accumulation used: %s; %s, %s, %.1f MB "
+             "communicated; %.0f s", summary["final_trainer"], summary["metric"], summary["final_metric"],
+             summary["initial_metric"], plural(summary["merges"], "merge"),
+             plural(summary["batch_increases"], "batch increase"), summary["accumulation_used"],
+             plural(summary["rounds"], "round"), plural(summary["syncs"], "sync"), summary["bytes_communicated"] / 1e6,
+             summary["wall_time_s"])
     log.info("outputs in %s", run_dir)
     return run_dir, summary
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,11 +30,17 @@ HUB_CHECK_TIMEOUT_S = 5.0
 METADATA_FILE = "metadata.json"
 
 
-def check_hub_reachable(what: str) -> None:
-    """Fail fast (seconds) when the Hugging Face Hub cannot be reached or offline mode is on."""
+C4_LOCAL_ADVICE = "use local shards (c4_local_path) or a tokenized dataset (c4_tokenized_path)"
+IMDB_LOCAL_ADVICE = ("set imdb_local_path to a copy of stanfordnlp/imdb in its Hub layout "
+                     "(<dir>/plain_text/train-*.parquet and test-*.parquet)")
+MODEL_LOCAL_ADVICE = "give a local model directory, or fetch it once with `hf download <id>`"
+
+
+def check_hub_reachable(what: str, advice: str = C4_LOCAL_ADVICE) -> None:
+    """Fail fast (seconds) when the Hugging Face Hub cannot be reached or offline mode is on; advice: what
+    to use instead, in the caller's terms."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        raise DataError(f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be used; use local shards "
-                        "(c4_local_path) or a tokenized dataset (c4_tokenized_path)")
+        raise DataError(f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be used; {advice}")
     endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:
@@ -42,7 +48,7 @@ def check_hub_reachable(what: str) -> None:
             pass
     except OSError as exc:
         raise DataError(f"{what}: the Hugging Face Hub ({endpoint.hostname}:{port}) is unreachable ({exc}); "
-                        "use local shards (c4_local_path) or a tokenized dataset (c4_tokenized_path)") from None
+                        f"{advice}") from None
 
 
 def find_shards(root: Path, language: str, split: str) -> list[Path]:

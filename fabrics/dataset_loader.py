@@ -120,9 +120,9 @@ def _train_bpe(texts: list[str], vocab_size: int, path: Path) -> None:
 def load_pretrained_tokenizer(name: str, cfg: Config, key: str = "tokenizer") -> PreTrainedTokenizerBase:
     """A tokenizer from a local directory or the HF cache; from the Hub only with hub_downloads: true."""
     if cfg.hub_downloads and not Path(name).exists():
-        from fabrics.c4_data import check_hub_reachable
+        from fabrics.c4_data import MODEL_LOCAL_ADVICE, check_hub_reachable
 
-        check_hub_reachable(key)
+        check_hub_reachable(key, MODEL_LOCAL_ADVICE)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=not cfg.hub_downloads)
     except (OSError, ValueError):

@@ -40,9 +40,9 @@ def load_imdb_splits(cfg: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
         if not root.is_dir():
             raise DataError(f"imdb_local_path: directory not found: {root}")
         return _local_split(root, "train"), _local_split(root, "test")
-    from fabrics.c4_data import check_hub_reachable
+    from fabrics.c4_data import IMDB_LOCAL_ADVICE, check_hub_reachable
 
-    check_hub_reachable("imdb_local_path")
+    check_hub_reachable("imdb_local_path", IMDB_LOCAL_ADVICE)
     return (datasets.load_dataset(IMDB_HUB_ID, split="train"), datasets.load_dataset(IMDB_HUB_ID, split="test"))
 
 

@@ -55,9 +55,9 @@ def build_model(cfg: Config, vocab_size: int, pad_token_id: int | None) -> PreTr
     model_class, config_class, _ = MODEL_TYPES[cfg.model_type]
     if cfg.model_config.pretrained:
         if cfg.hub_downloads and not Path(name).exists():
-            from fabrics.c4_data import check_hub_reachable
+            from fabrics.c4_data import MODEL_LOCAL_ADVICE, check_hub_reachable
 
-            check_hub_reachable("model_config.name")
+            check_hub_reachable("model_config.name", MODEL_LOCAL_ADVICE)
         try:
             model = model_class.from_pretrained(name, local_files_only=not cfg.hub_downloads, dtype=torch.float32)
         except (OSError, ValueError) as exc:

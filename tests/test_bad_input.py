@@ -67,8 +67,10 @@ def test_duplicate_yaml_keys_and_bad_encoding(tmp_path):
         load_config(nested)
     latin = tmp_path / "latin.yaml"
     latin.write_bytes("task_name: caf\xe9\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+    with pytest.raises(UserError, match="^--config: .* is not UTF-8 text"):  # a flag, not a config key
         load_config(latin)
+    with pytest.raises(UserError, match="^--config: file not found: "):
+        load_config(tmp_path / "missing.yaml")
 
 
 def test_log_dir_expands_home_and_run_names_are_unique(tmp_path, monkeypatch):
@@ -322,3 +324,19 @@ def test_gradient_analysis_names_what_is_wrong_with_a_model_directory(tmp_path, 
     assert analysis_main([f"checkpoint_path={no_config}"]) == 2
     (line,) = error_lines(capsys)
     assert "has no config.json, so it is not a Hugging Face model directory" in line
+    # a checkpoint that is not there: what is there instead, before any data work
+    final = tmp_path / "run" / "model_weights" / "final"
+    (final / "final_model").mkdir(parents=True)
+    (final / "trainer_2.safetensors").write_bytes(b"")
+    assert analysis_main([f"checkpoint_path={final / 'trainer_0.safetensors'}"]) == 2
+    (line,) = error_lines(capsys)
+    assert "trainer_0.safetensors does not exist;" in line and "holds: final_model/, trainer_2.safetensors" in line
+
+
+def test_imdb_without_a_local_copy_gives_imdb_advice(tiny_config, monkeypatch):
+    from fabrics.imdb_data import load_imdb_splits
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="set imdb_local_path to a copy of stanfordnlp/imdb") as err:
+        load_imdb_splits(tiny_config("model_type=bert", "dataset=imdb", "model_config.name=bert-tiny"))
+    assert "c4" not in str(err.value)

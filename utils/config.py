@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from utils.errors import ConfigError
+from utils.errors import ConfigError, UserError
 
 # sampling methods that grow the batch from measured gradient variance (algorithms/calc_batch.py)
 ADAPTIVE_TESTS = ("norm_test", "augmented_inner_product_test")
@@ -460,14 +460,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError("--config", f"file not found: {path}")
+            raise UserError(f"--config: file not found: {path}")
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ConfigError("--config", f"{path} is not UTF-8 text (byte {exc.start}: "
+            raise UserError(f"--config: {path} is not UTF-8 text (byte {exc.start}: "
                               f"{exc.object[exc.start:exc.start + 1]!r})") from None
         except OSError as exc:
-            raise ConfigError("--config", f"cannot read {path} ({exc.strerror})") from None
+            raise UserError(f"--config: cannot read {path} ({exc.strerror})") from None
         try:
             loaded = yaml.load(text, Loader=_StrictLoader)
         except DuplicateKeyError as exc:
@@ -475,9 +475,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError("--config", f"{path} is not valid YAML{where}") from None
+            raise UserError(f"--config: {path} is not valid YAML{where}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError("--config", f"{path} must hold a mapping of keys to values")
+            raise UserError(f"--config: {path} must hold a mapping of keys to values")
         raw = loaded or {}
         if section and isinstance(raw.get(section), dict):
             raw = raw[section]
