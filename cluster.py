@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 class RoundResult:
     """One trainer's combined round: mean node weights plus what the batch test and the logs need."""
 
-    node_mean: dict[str, torch.Tensor]
+    node_mean: dict[str, torch.Tensor] | None  # None under torchrun on processes outside the trainer
     nodes: list[int]
     train_loss: float
     tokens: int

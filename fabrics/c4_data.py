@@ -22,12 +22,13 @@ import datasets
 from datasets.exceptions import DatasetGenerationError
 
 from utils.errors import DataError
+from utils.preflight import C4_METADATA_FILE, check_tokenized_seq_len, read_tokenized_metadata
 
 log = logging.getLogger(__name__)
 
 C4_HUB_ID = "allenai/c4"
 HUB_CHECK_TIMEOUT_S = 5.0
-METADATA_FILE = "metadata.json"
+METADATA_FILE = C4_METADATA_FILE
 
 
 C4_LOCAL_ADVICE = "use local shards (c4_local_path) or a tokenized dataset (c4_tokenized_path)"
@@ -137,13 +138,8 @@ def vocab_hash(tokenizer) -> str:
 
 def load_tokenized(path: Path) -> tuple[dict, datasets.Dataset, datasets.Dataset]:
     """(metadata, train, eval) of a dataset written by tokenize_c4.py."""
-    if not path.is_dir():
-        raise DataError(f"c4_tokenized_path: directory not found: {path}")
-    meta_file = path / METADATA_FILE
-    if not meta_file.is_file():
-        raise DataError(f"c4_tokenized_path: {path} has no {METADATA_FILE}; write it with c4/tokenize_c4.py")
+    meta = read_tokenized_metadata(path)
     try:
-        meta = json.loads(meta_file.read_text())
         train = datasets.load_from_disk(str(path / "train"))
         evaluation = datasets.load_from_disk(str(path / "eval"))
     except (ValueError, OSError, FileNotFoundError) as exc:
@@ -155,9 +151,7 @@ def load_tokenized(path: Path) -> tuple[dict, datasets.Dataset, datasets.Dataset
 
 
 def check_tokenized_matches(meta: dict, tokenizer, seq_len: int, path: Path) -> None:
-    if meta.get("seq_len") != seq_len:
-        raise DataError(f"c4_tokenized_path: {path} was packed with seq_len {meta.get('seq_len')}, the config asks "
-                        f"for seq_len {seq_len}; set seq_len: {meta.get('seq_len')} or re-run tokenize_c4.py")
+    check_tokenized_seq_len(meta, seq_len, path)
     if meta.get("vocab_hash") != vocab_hash(tokenizer):
         raise DataError(f"c4_tokenized_path: {path} was tokenized with '{meta.get('tokenizer')}', not with the "
                         f"configured tokenizer '{tokenizer.name_or_path}' (vocabulary hashes differ)")

@@ -22,8 +22,8 @@ from transformers import (
 
 from utils.config import Config
 from utils.errors import UserError
+from utils.preflight import PRESETS_DIR, preset_names
 
-PRESETS_DIR = Path(__file__).parent / "model_configs"
 MICROLLAMA_HUB_ID = "keeeeenw/MicroLlama"
 # model_type -> (model class, config class, the family's own tokenizer on the Hub)
 MODEL_TYPES = {
@@ -36,10 +36,6 @@ def default_tokenizer_names(cfg: Config) -> list[str]:
     """Tokenizers `tokenizer: auto` tries locally: the pretrained model's own, then the family's."""
     names = [cfg.model_config.name] if cfg.model_config.pretrained else []
     return names + [MODEL_TYPES[cfg.model_type][2]]
-
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
 def load_preset(name: str) -> PretrainedConfig:

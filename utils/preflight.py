@@ -15,7 +15,7 @@ from utils.config import Config
 from utils.errors import ConfigError, DataError, UserError
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "fabrics" / "model_configs"
-C4_METADATA_FILE = "metadata.json"  # as fabrics.c4_data.METADATA_FILE (not imported: it pulls in datasets)
+C4_METADATA_FILE = "metadata.json"  # of a tokenized C4 dataset (here, not in fabrics.c4_data: that imports datasets)
 
 
 def preset_names() -> list[str]:
@@ -52,21 +52,32 @@ def check_model(cfg: Config) -> None:
         raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
 
 
+def read_tokenized_metadata(path: Path) -> dict:
+    """The metadata.json of a dataset written by c4/tokenize_c4.py (also read by fabrics.c4_data)."""
+    if not path.is_dir():
+        raise DataError(f"c4_tokenized_path: directory not found: {path}")
+    meta_file = path / C4_METADATA_FILE
+    if not meta_file.is_file():
+        raise DataError(f"c4_tokenized_path: {path} has no {C4_METADATA_FILE}; write it with c4/tokenize_c4.py")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"c4_tokenized_path: {meta_file} is not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"c4_tokenized_path: {meta_file} is not a metadata mapping")
+    return meta
+
+
+def check_tokenized_seq_len(meta: dict, seq_len: int, path: Path) -> None:
+    if meta.get("seq_len") != seq_len:
+        raise DataError(f"c4_tokenized_path: {path} was packed with seq_len {meta.get('seq_len')}, the config asks "
+                        f"for seq_len {seq_len}; set seq_len: {meta.get('seq_len')} or re-run tokenize_c4.py")
+
+
 def check_data(cfg: Config) -> None:
     if cfg.dataset == "c4" and cfg.c4_tokenized_path:
         path = Path(cfg.c4_tokenized_path).expanduser()
-        if not path.is_dir():
-            raise DataError(f"c4_tokenized_path: directory not found: {path}")
-        meta_file = path / C4_METADATA_FILE
-        if not meta_file.is_file():
-            raise DataError(f"c4_tokenized_path: {path} has no {C4_METADATA_FILE}; write it with c4/tokenize_c4.py")
-        try:
-            seq_len = json.loads(meta_file.read_text()).get("seq_len")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise DataError(f"c4_tokenized_path: {meta_file} is not readable JSON ({type(exc).__name__})") from None
-        if seq_len != cfg.seq_len:
-            raise DataError(f"c4_tokenized_path: {path} was packed with seq_len {seq_len}, the config asks for "
-                            f"seq_len {cfg.seq_len}; set seq_len: {seq_len} or re-run tokenize_c4.py")
+        check_tokenized_seq_len(read_tokenized_metadata(path), cfg.seq_len, path)
     elif cfg.dataset == "c4" and cfg.c4_local_path:
         path = Path(cfg.c4_local_path).expanduser()
         if not path.is_dir():
