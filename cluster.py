@@ -648,6 +648,7 @@ class ClusterController:
             "final_metric": scores[final_id], "surviving_trainers": scores,
             "outer_steps": self.last_outer_step, "wall_time_s": wall,
             "best_metric_seen": self.best_seen, "tokens_seen": self.tokens_total, **self.traffic.row(),
+            "weight_bytes": self.param_bytes,  # P of the accounting: one trainer's fp32 weights
             "final_requested_batch": final.requested_batch,
             "max_batch_per_node": {n.node_id: n.max_batch for n in self.nodes},
             "accumulation_used": self.logger.accumulation_used, "merges": self.logger.merges,

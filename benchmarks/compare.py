@@ -50,7 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import network  # noqa: E402
 from benchmarks.theory import communication_bound  # noqa: E402
+from training_logs.plots import readable_y  # noqa: E402
 from utils.config import Config, load_config  # noqa: E402
 
 # budget axes: curve key -> what it counts (definitions in algorithms/traffic.py)
@@ -108,7 +110,7 @@ def read_run(run_dir: Path) -> dict:
     trained = [r for r in rows if r["outer_step"] != "0"]
     shapes = [f"{r['loader_batch']}x{r['accumulation_steps']}" for r in trained]
     ran = shapes[0] if len(set(shapes)) == 1 else f"{shapes[0]}..{shapes[-1]}"
-    return {"curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
+    return {"run_dir": run_dir, "curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
             "best_seen": summary.get("best_metric_seen"), "ran": ran,
             "merges": [{"before": [float(v) for v in m["metric_before"].split()],
                         "weighted": float(m["metric_weighted_before"]), "after": float(m["metric_after"])}
@@ -248,12 +250,197 @@ def summarise(results: dict[str, list[dict]], base: Config, args) -> dict:
             "merges": merge_rows}
 
 
-def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _time_to(curves: list[list[dict]], target: float, higher: bool) -> float | None:
+    """Mean predicted time to the target over seeds; None unless every seed reached it."""
+    reach = [first_reaching(c, target, "time", higher) for c in curves]
+    return statistics.mean(reach) if all(v is not None for v in reach) else None
+
+
+def parse_networks(args) -> tuple[list[network.Network], float]:
+    """--network and --crossover_latency, checked before any run starts."""
+    try:
+        nets = [network.parse_network(s) for s in (args.network or list(network.PRESETS))]
+        return nets, network.parse_latency(args.crossover_latency)
+    except ValueError as e:
+        raise SystemExit(f"error: --network / --crossover_latency: {e}") from None
+
+
+def network_report(results: dict[str, list[dict]], metric: str, args, out: Path) -> tuple[list[str], dict]:
+    """Predicted wall time on each --network (benchmarks/network.py): time to a target, the metric within a
+    time budget, a crossover over bandwidths. Markdown lines and the tables."""
+    higher = metric == "val_accuracy"
+    nets, crossover_latency = parse_networks(args)
+    runs = [r for rs in results.values() for r in rs]
+    for r in runs:
+        r["rounds_work"], r["weight_bytes"], _ = network.read_rounds(r["run_dir"], statistics=not args.no_statistics)
+    measured = sum(r["curve"][-1]["tokens"] for r in runs) / max(sum(r["curve"][-1]["wall"] for r in runs), 1e-9)
+    throughput = args.node_throughput or measured
+
+    def timed(net: network.Network) -> dict[str, list[list[dict]]]:
+        curves = {}
+        for name, rs in results.items():
+            for r in rs:
+                times, compute = network.timeline(r["rounds_work"], net, throughput, r["weight_bytes"])
+                curve = [{**p, "time": times[p["step"]]} for p in r["curve"] if p["step"] in times]
+                curve[-1]["compute"] = compute
+                curves.setdefault(name, []).append(curve)
+        return curves
+
+    pick = min if higher else max  # the loosest value: every run's best point reaches it
+    target = args.time_target or pick((max if higher else min)(p["metric"] for p in r["curve"]) for r in runs)
+    rows, panels = [], []
+    for net in nets:
+        curves = timed(net)
+        budget = args.time_budget or min(c[-1]["time"] for cs in curves.values() for c in cs)
+        reach = {name: _time_to(cs, target, higher) for name, cs in curves.items()}
+        fastest = min((v for v in reach.values() if v is not None), default=None)
+        for name, cs in curves.items():
+            values = [value_at(c, "time", budget, log_scale=not higher) for c in cs]
+            mean, std = _mean_std([v for v, _ in values])
+            total = statistics.mean(c[-1]["time"] for c in cs)
+            share = statistics.mean(1 - c[-1]["compute"] / c[-1]["time"] if c[-1]["time"] else 0.0 for c in cs)
+            got = sum(first_reaching(c, target, "time", higher) is not None for c in cs)
+            rows.append({"network": net.name, "variant": name,
+                         "time_to_target_s": reach[name] if reach[name] is not None else f"{got}/{len(cs)}",
+                         "vs_fastest": reach[name] / fastest if reach[name] is not None and fastest else None,
+                         "time_budget_s": budget, "metric_at_budget_mean": mean, "metric_at_budget_std": std,
+                         "total_time_s": total, "network_share": share})
+        panels.append((net, curves, budget))
+    # the crossover: which variant reaches the target first, bandwidth by bandwidth
+    crossover = []
+    for bandwidth in network.bandwidth_grid():
+        net = network.Network("grid", bandwidth, crossover_latency)
+        reach = {name: _time_to(cs, target, higher) for name, cs in timed(net).items()}
+        ranked = sorted((v, name) for name, v in reach.items() if v is not None)
+        if not ranked:
+            continue
+        row = {"bandwidth_bit_s": bandwidth * 8, "winner": ranked[0][1], "winner_time_s": ranked[0][0],
+               "runner_up": ranked[1][1] if len(ranked) > 1 else None,
+               "margin": ranked[1][0] / ranked[0][0] if len(ranked) > 1 else None}
+        row.update({f"time_{name}": v for name, v in reach.items()})
+        crossover.append(row)
+    figures = [_plot_network(panels, target, metric, out), _plot_crossover(crossover, list(results), target, metric,
+                                                                           crossover_latency, out)]
+    lines = ["## Predicted wall time on a network (benchmarks/network.py)", "",
+             f"A cost model, not a measurement: each run's logged rounds (tokens per node, nodes per trainer, merges, "
+             f"node moves) priced at {throughput:.4g} tokens/s per node "
+             f"({'given' if args.node_throughput else 'measured: all runs, tokens / wall time'}) plus, per "
+             "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes"
+             f"{'' if args.no_statistics else ', the batch test statistics included'}). Nodes compute in parallel, "
+             "trainers synchronise in parallel. Ignored: overlap of compute and communication, stragglers, "
+             f"contention, evaluation. Target {metric}: {target:.4g} "
+             f"({'given' if args.time_target else 'the loosest value every run reached'}); time budget: "
+             f"{'given' if args.time_budget else 'the shortest predicted run'} per network. "
+             "network_share: the part of the predicted time the network adds.", ""]
+    for net, _, budget in panels:
+        lines += [f"### {network.describe(net)}", "",
+                  *_table([r for r in rows if r["network"] == net.name],
+                          ["variant", "time_to_target_s", "vs_fastest", "metric_at_budget_mean", "metric_at_budget_std",
+                           "total_time_s", "network_share"]), "",
+                  f"metric_at_budget: at {budget:.4g} s of predicted time.", ""]
+    lines += [f"### Crossover: who reaches {metric} {target:.4g} first, by bandwidth (latency "
+              f"{args.crossover_latency})", "", *_table(_crossover_ranges(crossover),
+                                                      ["bandwidth", "winner", "runner_up", "margin"]), "",
+              "margin: the runner-up's predicted time to the target over the winner's (range over the band).", "",
+              *[f"![{p.stem}]({p.name})" for p in figures], ""]
+    with (out / "network.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    if crossover:
+        with (out / "crossover.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(crossover[0]))
+            w.writeheader()
+            w.writerows(crossover)
+    return lines, {"throughput": throughput, "target": target, "rows": rows, "crossover": crossover}
+
+
+def _rate(bits: float) -> str:
+    unit, factor = next((u, f) for u, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1))
+                        if bits >= f * 0.999)
+    return f"{bits / factor:.3g} {unit}"
+
+
+def _crossover_ranges(crossover: list[dict]) -> list[dict]:
+    """Consecutive bandwidths with the same winner and runner-up, as one row."""
+    bands: list[dict] = []
+    for row in crossover:
+        last = bands[-1] if bands else None
+        if last and (last["winner"], last["runner_up"]) == (row["winner"], row["runner_up"]):
+            last["high"], last["margins"] = row["bandwidth_bit_s"], [*last["margins"], row["margin"]]
+        else:
+            bands.append({"winner": row["winner"], "runner_up": row["runner_up"], "low": row["bandwidth_bit_s"],
+                          "high": row["bandwidth_bit_s"], "margins": [row["margin"]]})
+    out = []
+    for b in bands:
+        margins = [m for m in b["margins"] if m is not None]
+        span = f"{min(margins):.3g}x..{max(margins):.3g}x" if margins else "-"
+        out.append({"bandwidth": f"{_rate(b['low'])} .. {_rate(b['high'])}", "winner": b["winner"],
+                    "runner_up": b["runner_up"], "margin": span})
+    return out
+
+
+def _plot_network(panels: list, target: float, metric: str, out: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (net, curves, budget) in zip(axes[0], panels):
+        for name, cs in curves.items():
+            ax.plot([p["time"] for p in cs[0]], [p["metric"] for p in cs[0]], marker="o", ms=2.5,
+                    ls="-" if name.startswith("adloco") else "--", label=name)
+        ax.axhline(target, color="grey", lw=0.8, ls=":")
+        ax.axvline(budget, color="grey", lw=0.8, ls=":")
+        if metric == "val_perplexity":
+            readable_y(ax, [p["metric"] for cs in curves.values() for p in cs[0]])
+        ax.set(xlabel="predicted wall time (s)", title=network.describe(net))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"{metric} (best model alive, seed 0)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(f"{metric} against predicted wall time (dotted: the target and the time budget)")
+    fig.tight_layout()
+    path = out / f"{metric}_vs_predicted_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_crossover(crossover: list[dict], names: list[str], target: float, metric: str, latency: float,
+                    out: Path) -> Path:
+    plt = _plt()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.5, 7), sharex=True)
+    bits = [row["bandwidth_bit_s"] for row in crossover]
+    for name in names:
+        times = [row.get(f"time_{name}") for row in crossover]
+        if not any(t is not None for t in times):
+            continue
+        style = "-" if name.startswith("adloco") else "--"
+        top.plot(bits, [t if t is not None else float("nan") for t in times], style, label=name)
+        bottom.plot(bits, [t / row["winner_time_s"] if t is not None else float("nan")
+                           for t, row in zip(times, crossover)], style, label=name)
+    top.set(xscale="log", yscale="log", ylabel="predicted time to target (s)",
+            title=f"time to {metric} {target:.4g}, by bandwidth (latency {latency * 1e3:g} ms)")
+    bottom.set(xscale="log", yscale="log", xlabel="bandwidth per node link (bit/s)",
+               ylabel="time / the fastest variant's")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3, which="both")
+    top.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    path = out / "crossover_bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
+    plt = _plt()
     paths = []
     for key, label in (*AXES.items(), ("wall", "wall time (s)")):
         fig, ax = plt.subplots(figsize=(8, 5))
@@ -262,7 +449,7 @@ def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
             ax.plot([p[key] for p in curve], [p["metric"] for p in curve], marker="o", ms=3,
                     ls="-" if name.startswith("adloco") else "--", label=f"{name} ({runs[0]['ran']})")
         if metric == "val_perplexity":
-            ax.set_yscale("log")
+            readable_y(ax, [p["metric"] for runs in results.values() for p in runs[0]["curve"]])
         ax.set(xlabel=label, ylabel=f"{metric} (best model alive)", title=f"{metric} against {label} (seed 0)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -335,6 +522,7 @@ def write_outputs(report: dict, results: dict, args, out: Path) -> str:
               "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
               "benchmarks/theory.py.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plot(results, metric, out)]
+    lines += ["", *network_report(results, metric, args, out)[0]]
     text = "\n".join(lines) + "\n"
     (out / "comparison.md").write_text(text)
     return text
@@ -358,8 +546,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init_from", default="", help="warm start from this finished run's final model")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     p.add_argument("--rerun", action="store_true", help="redo runs that already finished")
+    p.add_argument("--network", action="append", default=[], metavar="[NAME=]BANDWIDTH,LATENCY",
+                   help="a network to predict wall time on (repeatable): e.g. '10Gbit/s,1ms', 'lab=1Gbit/s,0.2ms' "
+                        f"or a preset ({', '.join(network.PRESETS)}); default: the three presets")
+    p.add_argument("--node_throughput", type=float, default=0.0,
+                   help="tokens/s of one node for the network model; 0 = measured from the runs")
+    p.add_argument("--time_target", type=float, default=0.0,
+                   help="target metric of the network model; 0 = the loosest value every run reached")
+    p.add_argument("--time_budget", type=float, default=0.0,
+                   help="seconds of predicted time; 0 = the shortest predicted run, per network")
+    p.add_argument("--crossover_latency", default="10ms", help="latency of the crossover over bandwidths")
+    p.add_argument("--no_statistics", action="store_true",
+                   help="network model: leave out the batch test's statistics (the weights traffic only)")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every variant")
     args = p.parse_args(argv)
+    parse_networks(args)
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     base = load_config(args.config, args.overrides)

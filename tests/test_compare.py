@@ -8,6 +8,7 @@ import yaml
 
 from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
+from benchmarks.network import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
 
 SHARED_C4 = ROOT.parent / "shared" / "data" / "c4"
@@ -33,7 +34,7 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "3000",
                        "--max_outer_steps", "40", "--diloco_batches", "2,4", "--out", str(out), *SMALL,
                        f"cache_dir={cache_dir}", "merge_frequency=1", "initial_batch_size=3", "max_batch_size=2",
-                       "ETA=0.3", "max_requested_batch=6"])
+                       "ETA=0.3", "max_requested_batch=6", "--network", "lab=1Gbit/s,1ms", "--network", "consumer"])
     assert rc == 0
     table = {r["variant"]: r for r in read_csv(out / "comparison.csv")}
     assert set(table) == {"adloco", "adloco_no_adaptive", "adloco_no_merge", "adloco_no_switch", "diloco_b2",
@@ -76,6 +77,39 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
         assert heading in report, heading
     for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
         assert (out / f"val_perplexity_vs_{key}.png").is_file()
+    # the network model reads each run's rounds back to exactly its accounting: bytes, tokens, P
+    for name in table:
+        run_dir = out / "runs" / f"{name}_seed0"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        rounds, weight_bytes, communicated = read_rounds(run_dir)
+        assert weight_bytes == summary["weight_bytes"] > 0 and communicated == summary["bytes_communicated"]
+        assert accounted_bytes(rounds, weight_bytes) == communicated
+        assert sum(t.tokens for w in rounds for t in w.trainers) == summary["tokens_seen"]
+    adloco_rounds = read_rounds(out / "runs" / "adloco_seed0")[0]
+    assert any(w.merges for w in adloco_rounds) and any(w.node_moves for w in adloco_rounds)
+    assert all(t.statistics_bytes > 0 for w in adloco_rounds for t in w.trainers)  # the norm test's statistics
+    assert all(t.statistics_bytes == 0 for w in read_rounds(out / "runs" / "diloco_b2_seed0")[0] for t in w.trainers)
+    # predicted time on each --network: every variant, a time to the target, the crossover and the plots
+    network = read_csv(out / "network.csv")
+    assert {r["network"] for r in network} == {"lab", "consumer"}
+    assert {r["variant"] for r in network if r["network"] == "consumer"} == set(table)
+    for r in network:  # the default target is one every run reached
+        assert float(r["time_to_target_s"]) <= float(r["total_time_s"]) and 0 <= float(r["network_share"]) < 1
+    slow = {r["variant"]: float(r["total_time_s"]) for r in network if r["network"] == "consumer"}
+    fast = {r["variant"]: float(r["total_time_s"]) for r in network if r["network"] == "lab"}
+    assert slow["diloco_b2"] > fast["diloco_b2"] and slow["adloco_no_merge"] == fast["adloco_no_merge"]
+    crossover = read_csv(out / "crossover.csv")
+    assert len(crossover) > 20 and all(r["winner"] in table for r in crossover)
+    assert crossover[0]["winner"] == "adloco_no_merge"  # at 1 Mbit/s the run that sends nothing wins
+    for heading in ("## Predicted wall time on a network", "### lab (1 Gbit/s, 1 ms)", "### consumer", "### Crossover"):
+        assert heading in report, heading
+    assert (out / "val_perplexity_vs_predicted_time.png").is_file() and (out / "crossover_bandwidth.png").is_file()
+
+
+def test_a_bad_network_is_refused_before_any_run(tmp_path):
+    with pytest.raises(SystemExit, match="--network.*10Gbit"):
+        compare_main(["--network", "10Gbit", "--out", str(tmp_path / "c")])
+    assert not (tmp_path / "c").exists()
 
 
 def test_warm_start_workflow_pretrains_once_and_starts_every_variant_from_it(tmp_path, cache_dir):

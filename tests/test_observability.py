@@ -174,17 +174,17 @@ def test_perplexity_axes_are_readable():
     """A decade or more: log scale with labelled 1-2-3-5 ticks (the final value can be read); less: linear."""
     import matplotlib.pyplot as plt
 
-    from training_logs.plots import _readable_y
+    from training_logs.plots import readable_y
 
     fig, ax = plt.subplots()
     values = [4100.0, 1500.0, 700.0, 326.5]
     ax.plot(range(4), values)
-    _readable_y(ax, values)
+    readable_y(ax, values)
     fig.canvas.draw()
     labels = [t.get_text() for t in ax.get_yticklabels() if ax.get_ylim()[0] <= t.get_position()[1] <= ax.get_ylim()[1]]
     assert ax.get_yscale() == "log" and {"500", "1000", "2000"} <= set(labels)
     assert any(label in ("300", "400") for label in labels)  # a label near the final value
     fig, ax = plt.subplots()
-    _readable_y(ax, [523.5, 190.2])
+    readable_y(ax, [523.5, 190.2])
     assert ax.get_yscale() == "linear"
     plt.close("all")

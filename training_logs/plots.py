@@ -31,7 +31,7 @@ def _integer_steps(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # outer steps: no 0.5, 1.5
 
 
-def _readable_y(ax, values: list[float]) -> None:
+def readable_y(ax, values: list[float]) -> None:
     """Perplexity: a log axis when it spans a decade or more, labelled at 1-2-3-5 steps (so a final value of
     a few hundred can be read); a linear axis otherwise."""
     finite = [v for v in values if v == v and 0 < v < float("inf")]
@@ -98,7 +98,7 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
                 ax.scatter([float(r["tokens_seen"] or 0) for r in merged], [float(r[metric]) for r in merged],
                            marker="x", s=60, color="black", zorder=3, label="merge (into this trainer)")
         if log_y:
-            _readable_y(ax, values)
+            readable_y(ax, values)
         title = f"Validation {label}" + (" per trainer" if x_key == "outer_step" else ": each trainer's own tokens")
         outputs.append(_save(ax, out_dir / name, marks, x_label, label, title))
 
@@ -115,7 +115,7 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
         ax.set(xlabel=x_label)
         ax.grid(alpha=0.3)
         if log_y:
-            _readable_y(ax, values)
+            readable_y(ax, values)
     axes[0].set_ylabel(f"{label} of the best model alive")
     fig.suptitle(f"Validation {label} against communication" + (" (dotted: merges)" if merge_steps else ""))
     fig.tight_layout()

@@ -1,0 +1,85 @@
+"""The network cost model of benchmarks/network.py on hand-computed cases."""
+
+import pytest
+
+from algorithms.traffic import ring_allreduce_bytes
+from benchmarks.network import (
+    PRESETS,
+    Network,
+    RoundWork,
+    TrainerRound,
+    accounted_bytes,
+    parse_bandwidth,
+    parse_latency,
+    parse_network,
+    round_time,
+    timeline,
+)
+
+MB = 1e6
+SLOW = Network("slow", bandwidth=1 * MB, latency=0.01)  # 1 MB/s, 10 ms
+
+
+@pytest.mark.parametrize("text, expected", [("10Gbit/s", 1.25e9), ("100 Mbps", 12.5e6), ("1.25GB/s", 1.25e9),
+                                            ("8bit/s", 1.0), ("1Gb/s", 1.25e8), ("500 kB/s", 5e5)])
+def test_bandwidth_units_bits_and_bytes(text, expected):
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+def test_latency_units_and_network_specs():
+    assert parse_latency("1ms") == pytest.approx(1e-3) and parse_latency("10us") == pytest.approx(1e-5)
+    assert parse_latency("0.05s") == pytest.approx(0.05)
+    net = parse_network("10Gbit/s,1ms")
+    assert (net.name, net.bandwidth, net.latency) == ("10Gbit/s,1ms", pytest.approx(1.25e9), pytest.approx(1e-3))
+    assert parse_network("lab=1Gbit/s, 0.2ms") == Network("lab", pytest.approx(1.25e8), pytest.approx(2e-4))
+    for name in PRESETS:
+        assert parse_network(name).name == name
+    assert parse_network("home=consumer").bandwidth == parse_network("consumer").bandwidth
+    for bad in ("10Gbit/s", "fast,1ms", "10Gbit/s,soon", "0Gbit/s,1ms"):
+        with pytest.raises(ValueError):
+            parse_network(bad)
+
+
+def test_one_node_trainer_costs_no_communication():
+    work = RoundWork(1, [TrainerRound(num_nodes=1, tokens=3000, statistics_bytes=10**9)], merges=[])
+    spent = round_time(work, SLOW, node_throughput=1000, weight_bytes=10**9)
+    assert spent.total == spent.compute == pytest.approx(3.0) and spent.communication == 0
+
+
+def test_ring_allreduce_time_and_bytes():
+    # 4 nodes, 1 MB: 2 x 3 steps of 0.25 MB, each 10 ms + 0.25 s
+    assert SLOW.allreduce(4, 1 * MB) == pytest.approx(6 * (0.01 + 0.25))
+    assert SLOW.allreduce(1, 1 * MB) == 0
+    # the bytes one node sends are the accounting's ring bytes shared by the n nodes
+    for n in (2, 3, 8):
+        per_node_time = SLOW.allreduce(n, 1 * MB) - 2 * (n - 1) * SLOW.latency
+        assert per_node_time * SLOW.bandwidth == pytest.approx(ring_allreduce_bytes(n, 10**6) / n)
+
+
+def test_a_round_by_hand_trainers_in_parallel_merges_by_survivor_moves_in_parallel():
+    work = RoundWork(1, [TrainerRound(1, 1000),  # 1 s, no sync
+                         TrainerRound(2, 4000)],  # 2 s per node + ring of 1 MB over 2: 2 x (0.01 + 0.5)
+                     merges=[(0, 2 * 10**6), (0, 10**6), (5, 10**6)],  # into 0: 2.01 + 1.01; into 5: 1.01
+                     node_moves=2, node_move_bytes=2 * 10**6)  # each node receives 1 MB: 1.01, in parallel
+    spent = round_time(work, SLOW, node_throughput=1000, weight_bytes=10**6)
+    assert spent.compute == pytest.approx(2.0)
+    assert spent.total == pytest.approx(3.02 + 3.02 + 1.01)
+    assert accounted_bytes([work], 10**6) == 2 * 10**6 + 4 * 10**6 + 2 * 10**6
+
+
+def test_statistics_add_their_all_reduce_and_a_scalar_one():
+    plain = RoundWork(1, [TrainerRound(4, 4000)], merges=[])
+    with_stats = RoundWork(1, [TrainerRound(4, 4000, statistics_bytes=2 * 10**6)], merges=[])
+    extra = (round_time(with_stats, SLOW, 1000, 10**6).total - round_time(plain, SLOW, 1000, 10**6).total)
+    assert extra == pytest.approx(SLOW.allreduce(4, 2 * 10**6) + SLOW.allreduce(4, 8))
+
+
+def test_latency_is_paid_per_round_and_bandwidth_per_byte():
+    rounds = [RoundWork(step, [TrainerRound(4, 4000)], merges=[]) for step in (1, 2, 3)]
+    instant = Network("no bandwidth limit", bandwidth=1e30, latency=0.05)
+    times, compute = timeline(rounds, instant, node_throughput=1000, weight_bytes=10**9)
+    assert compute == pytest.approx(3.0)  # 1000 tokens per node per round at 1000 tokens/s
+    assert times == {0: 0.0, 1: pytest.approx(1.3), 2: pytest.approx(2.6), 3: pytest.approx(3.9)}  # 6 x 50 ms each
+    no_latency = Network("bandwidth only", bandwidth=1 * MB, latency=0.0)
+    times, _ = timeline(rounds, no_latency, node_throughput=1000, weight_bytes=10**6)
+    assert times[3] == pytest.approx(3 * (1.0 + 1.5))  # each node sends 2 x 3/4 MB per round
