@@ -326,6 +326,8 @@ def network_report(results: dict[str, list[dict]], metric: str, args, out: Path)
         row = {"bandwidth_bit_s": bandwidth * 8, "winner": ranked[0][1], "winner_time_s": ranked[0][0],
                "runner_up": ranked[1][1] if len(ranked) > 1 else None,
                "margin": ranked[1][0] / ranked[0][0] if len(ranked) > 1 else None}
+        diloco = [v for name, v in reach.items() if name.startswith("diloco") and v is not None]
+        row["adloco_vs_best_diloco"] = reach["adloco"] / min(diloco) if reach.get("adloco") and diloco else None
         row.update({f"time_{name}": v for name, v in reach.items()})
         crossover.append(row)
     figures = [_plot_network(panels, target, metric, out), _plot_crossover(crossover, list(results), target, metric,
@@ -349,8 +351,11 @@ def network_report(results: dict[str, list[dict]], metric: str, args, out: Path)
                   f"metric_at_budget: at {budget:.4g} s of predicted time.", ""]
     lines += [f"### Crossover: who reaches {metric} {target:.4g} first, by bandwidth (latency "
               f"{args.crossover_latency})", "", *_table(_crossover_ranges(crossover),
-                                                      ["bandwidth", "winner", "runner_up", "margin"]), "",
-              "margin: the runner-up's predicted time to the target over the winner's (range over the band).", "",
+                                                      ["bandwidth", "winner", "runner_up", "margin",
+                                                       "adloco_vs_best_diloco"]), "",
+              "margin: the runner-up's predicted time to the target over the winner's (range over the band). "
+              "adloco_vs_best_diloco: AdLoCo's predicted time to the target over the fastest DiLoCo variant's "
+              "(below 1: AdLoCo is faster).", "",
               *[f"![{p.stem}]({p.name})" for p in figures], ""]
     with (out / "network.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -376,17 +381,21 @@ def _crossover_ranges(crossover: list[dict]) -> list[dict]:
     for row in crossover:
         last = bands[-1] if bands else None
         if last and (last["winner"], last["runner_up"]) == (row["winner"], row["runner_up"]):
-            last["high"], last["margins"] = row["bandwidth_bit_s"], [*last["margins"], row["margin"]]
+            last["high"] = row["bandwidth_bit_s"]
+            last["margins"].append(row["margin"])
+            last["adloco"].append(row["adloco_vs_best_diloco"])
         else:
             bands.append({"winner": row["winner"], "runner_up": row["runner_up"], "low": row["bandwidth_bit_s"],
-                          "high": row["bandwidth_bit_s"], "margins": [row["margin"]]})
-    out = []
-    for b in bands:
-        margins = [m for m in b["margins"] if m is not None]
-        span = f"{min(margins):.3g}x..{max(margins):.3g}x" if margins else "-"
-        out.append({"bandwidth": f"{_rate(b['low'])} .. {_rate(b['high'])}", "winner": b["winner"],
-                    "runner_up": b["runner_up"], "margin": span})
-    return out
+                          "high": row["bandwidth_bit_s"], "margins": [row["margin"]],
+                          "adloco": [row["adloco_vs_best_diloco"]]})
+
+    def span(values: list) -> str:
+        values = [v for v in values if v is not None]
+        return f"{min(values):.3g}x..{max(values):.3g}x" if values else "-"
+
+    return [{"bandwidth": f"{_rate(b['low'])} .. {_rate(b['high'])}", "winner": b["winner"],
+             "runner_up": b["runner_up"], "margin": span(b["margins"]), "adloco_vs_best_diloco": span(b["adloco"])}
+            for b in bands]
 
 
 def _plot_network(panels: list, target: float, metric: str, out: Path) -> Path:
@@ -546,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init_from", default="", help="warm start from this finished run's final model")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
     p.add_argument("--rerun", action="store_true", help="redo runs that already finished")
+    p.add_argument("--report_out", default="",
+                   help="write the tables and plots here instead of --out (the runs stay in --out/runs): another "
+                        "view of finished runs, e.g. on other --network settings, without overwriting the report")
     p.add_argument("--network", action="append", default=[], metavar="[NAME=]BANDWIDTH,LATENCY",
                    help="a network to predict wall time on (repeatable): e.g. '10Gbit/s,1ms', 'lab=1Gbit/s,0.2ms' "
                         f"or a preset ({', '.join(network.PRESETS)}); default: the three presets")
@@ -583,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
         results.setdefault(name, []).append(read_run(run_variant(name, chosen[name], seed, args, out, extra)))
-    print(write_outputs(summarise(results, base, args), results, args, out))
+    report_out = Path(args.report_out) if args.report_out else out
+    report_out.mkdir(parents=True, exist_ok=True)
+    print(write_outputs(summarise(results, base, args), results, args, report_out))
     return 0
 
 

@@ -104,6 +104,18 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     for heading in ("## Predicted wall time on a network", "### lab (1 Gbit/s, 1 ms)", "### consumer", "### Crossover"):
         assert heading in report, heading
     assert (out / "val_perplexity_vs_predicted_time.png").is_file() and (out / "crossover_bandwidth.png").is_file()
+    # another view of the same finished runs (no run repeats), written beside the report, not over it
+    view = tmp_path / "fast_nodes"
+    assert compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "3000",
+                         "--max_outer_steps", "40", "--diloco_batches", "2,4", "--out", str(out), *SMALL,
+                         f"cache_dir={cache_dir}", "merge_frequency=1", "initial_batch_size=3", "max_batch_size=2",
+                         "ETA=0.3", "max_requested_batch=6", "--network", "datacentre", "--node_throughput", "1e9",
+                         "--report_out", str(view)]) == 0
+    assert read_csv(out / "network.csv") == network  # the report in --out is untouched
+    fast = read_csv(view / "network.csv")
+    assert {r["network"] for r in fast} == {"datacentre"}
+    assert "1e+09 tokens/s per node (given)" in (view / "comparison.md").read_text()
+    assert float(next(r for r in fast if r["variant"] == "diloco_b2")["network_share"]) > 0.5  # rounds now dominate
 
 
 def test_a_bad_network_is_refused_before_any_run(tmp_path):
