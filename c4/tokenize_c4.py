@@ -64,7 +64,9 @@ def tokenize_c4(args: argparse.Namespace) -> Path:
     cfg = load_config(None, [f"tokenizer={args.tokenizer}", f"tokenizer_vocab_size={args.vocab_size}",
                              f"cache_dir={args.cache_dir}", f"seq_len={args.seq_len}", "dataset=c4"])
     if args.hub:
-        train_docs, eval_docs = c4_data.stream_hub_c4(args.language, args.num_documents or 1000, args.eval_documents)
+        train_docs, eval_docs = c4_data.stream_hub_c4(
+            args.language, args.num_documents or 1000, args.eval_documents, what="--hub",
+            advice="use local shards instead: --local_path DIR (C4's c4-train.*.json.gz files)")
         source = f"allenai/c4 {args.language} (Hub, streaming)"
     else:
         train_docs, eval_docs = c4_data.load_local_c4(Path(args.local_path).expanduser(), args.language,
@@ -105,8 +107,14 @@ def tokenize_c4(args: argparse.Namespace) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {len(train)} train and {len(evaluation)} eval sequences of {args.seq_len} tokens to {out}")
-    print(f"train with:  python run.py dataset=c4 c4_tokenized_path={out} seq_len={args.seq_len}")
+    print(f"train with:  {_interpreter()} run.py dataset=c4 c4_tokenized_path={out} seq_len={args.seq_len}")
     return out
+
+
+def _interpreter() -> str:
+    """This tool's interpreter as the guide writes it: relative inside the current directory (.venv/bin/python)."""
+    exe = Path(sys.executable)
+    return str(exe.relative_to(Path.cwd())) if exe.is_relative_to(Path.cwd()) else "python"
 
 
 def main(argv: list[str] | None = None) -> int:

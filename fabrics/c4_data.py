@@ -109,9 +109,11 @@ def load_local_c4(root: Path, language: str, num_documents: int) -> tuple[datase
 
 
 def stream_hub_c4(language: str, num_documents: int, val_documents: int, streaming: bool = True,
+                  what: str = "c4_streaming", advice: str = C4_LOCAL_ADVICE,
                   ) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The first documents of allenai/c4 (train and validation splits) from the Hub."""
-    check_hub_reachable("c4_streaming")
+    """The first documents of allenai/c4 (train and validation splits) from the Hub. what / advice: how an
+    unreachable Hub is reported (the config key, or the tool's flag, and the local alternative)."""
+    check_hub_reachable(what, advice)
     try:
         if not streaming:
             train = datasets.load_dataset(C4_HUB_ID, language, split=f"train[:{num_documents}]")

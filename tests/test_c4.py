@@ -91,6 +91,16 @@ def test_tokenize_tool_writes_datasets_and_metadata(tokenized):
     assert (out / "metadata.json").is_file()
 
 
+def test_suggested_command_names_the_interpreter_as_the_guide_does(tmp_path, monkeypatch):
+    import c4.tokenize_c4 as tool
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert tool._interpreter() == ".venv/bin/python"  # c4/guide.md's style, runnable from here
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
+    assert tool._interpreter() == "python"
+
+
 def test_train_from_tokenized_c4_with_falling_loss(tokenized, tiny_config):
     out, _ = tokenized
     run_dir, summary = train(c4_config(tiny_config, f"c4_tokenized_path={out}", "tokenizer=auto", "num_outer_steps=4",
@@ -137,6 +147,14 @@ def test_hub_path_fails_fast_when_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match="HF_HUB_OFFLINE"):
         stream_hub_c4("en", 10, 10)
+
+
+def test_tokenize_tool_offline_names_its_own_flags(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert tokenize_main(["--hub", "--num_documents", "10", "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--hub:" in err and "--local_path" in err and "c4_local_path" not in err  # not run.py's config keys
+    assert not (tmp_path / "out").exists()
 
 
 def test_run_with_hub_c4_exits_2_quickly_when_offline(tmp_path, cache_dir):
