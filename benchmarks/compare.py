@@ -274,9 +274,50 @@ def parse_networks(args) -> tuple[list[network.Network], float]:
         raise SystemExit(f"error: --network / --crossover_latency: {e}") from None
 
 
-def network_report(results: dict[str, list[dict]], metric: str, args, out: Path) -> tuple[list[str], dict]:
-    """Predicted wall time on each --network (benchmarks/network.py): time to a target, the metric within a
-    time budget, a crossover over bandwidths. Markdown lines and the tables."""
+def network_report(results: dict[str, list[dict]], metric: str, args, out: Path) -> list[str]:
+    """Predicted wall time on each --network (benchmarks/network.py): network.csv, crossover.csv, two plots,
+    and the report's markdown lines."""
+    predicted = predict_on_networks(results, metric, args)
+    rows, crossover, target = predicted["rows"], predicted["crossover"], predicted["target"]
+    for name, table in (("network.csv", rows), ("crossover.csv", crossover)):
+        if table:
+            with (out / name).open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(table[0]))
+                w.writeheader()
+                w.writerows(table)
+    figures = [_plot_network(predicted["panels"], target, metric, out),
+               _plot_crossover(crossover, list(results), target, metric, predicted["crossover_latency"], out)]
+    lines = ["## Predicted wall time on a network (benchmarks/network.py)", "",
+             "A cost model, not a measurement: each run's logged rounds (tokens per node, nodes per trainer, merges, "
+             f"node moves) priced at {predicted['throughput']:.4g} tokens/s per node "
+             f"({'given' if args.node_throughput else 'measured: all runs, tokens / wall time'}) plus, per "
+             "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes"
+             f"{'' if args.no_statistics else ', the batch test statistics included'}). Nodes compute in parallel, "
+             "trainers synchronise in parallel. Ignored: overlap of compute and communication, stragglers, "
+             f"contention, evaluation. Target {metric}: {target:.4g} "
+             f"({'given' if args.time_target else 'the loosest value every run reached'}); time budget: "
+             f"{'given' if args.time_budget else 'the shortest predicted run'} per network. "
+             "network_share: the part of the predicted time the network adds.", ""]
+    for net, _, budget in predicted["panels"]:
+        lines += [f"### {network.describe(net)}", "",
+                  *_table([r for r in rows if r["network"] == net.name],
+                          ["variant", "time_to_target_s", "vs_fastest", "metric_at_budget_mean", "metric_at_budget_std",
+                           "total_time_s", "network_share"]), "",
+                  f"metric_at_budget: at {budget:.4g} s of predicted time.", ""]
+    lines += [f"### Crossover: who reaches {metric} {target:.4g} first, by bandwidth (latency "
+              f"{args.crossover_latency})", "",
+              *_table(_crossover_ranges(crossover), ["bandwidth", "winner", "runner_up", "margin",
+                                                     "adloco_vs_best_diloco"]), "",
+              "margin: the runner-up's predicted time to the target over the winner's (range over the band). "
+              "adloco_vs_best_diloco: AdLoCo's predicted time to the target over the fastest DiLoCo variant's "
+              "(below 1: AdLoCo is faster).", "",
+              *[f"![{p.stem}]({p.name})" for p in figures], ""]
+    return lines
+
+
+def predict_on_networks(results: dict[str, list[dict]], metric: str, args) -> dict:
+    """Every run's curve against predicted time, per --network and over a grid of bandwidths: the rows of
+    network.csv (time to target, metric at a time budget, network share) and of crossover.csv."""
     higher = metric == "val_accuracy"
     nets, crossover_latency = parse_networks(args)
     runs = [r for rs in results.values() for r in rs]
@@ -306,73 +347,31 @@ def network_report(results: dict[str, list[dict]], metric: str, args, out: Path)
         for name, cs in curves.items():
             values = [value_at(c, "time", budget, log_scale=not higher) for c in cs]
             mean, std = _mean_std([v for v, _ in values])
-            total = statistics.mean(c[-1]["time"] for c in cs)
-            share = statistics.mean(1 - c[-1]["compute"] / c[-1]["time"] if c[-1]["time"] else 0.0 for c in cs)
             got = sum(first_reaching(c, target, "time", higher) is not None for c in cs)
             rows.append({"network": net.name, "variant": name,
                          "time_to_target_s": reach[name] if reach[name] is not None else f"{got}/{len(cs)}",
                          "vs_fastest": reach[name] / fastest if reach[name] is not None and fastest else None,
                          "time_budget_s": budget, "metric_at_budget_mean": mean, "metric_at_budget_std": std,
-                         "total_time_s": total, "network_share": share})
+                         "total_time_s": statistics.mean(c[-1]["time"] for c in cs),
+                         "network_share": statistics.mean(1 - c[-1]["compute"] / c[-1]["time"] if c[-1]["time"]
+                                                          else 0.0 for c in cs)})
         panels.append((net, curves, budget))
-    # the crossover: which variant reaches the target first, bandwidth by bandwidth
-    crossover = []
+    crossover = []  # which variant reaches the target first, bandwidth by bandwidth
     for bandwidth in network.bandwidth_grid():
-        net = network.Network("grid", bandwidth, crossover_latency)
-        reach = {name: _time_to(cs, target, higher) for name, cs in timed(net).items()}
+        reach = {name: _time_to(cs, target, higher)
+                 for name, cs in timed(network.Network("grid", bandwidth, crossover_latency)).items()}
         ranked = sorted((v, name) for name, v in reach.items() if v is not None)
         if not ranked:
             continue
-        row = {"bandwidth_bit_s": bandwidth * 8, "winner": ranked[0][1], "winner_time_s": ranked[0][0],
-               "runner_up": ranked[1][1] if len(ranked) > 1 else None,
-               "margin": ranked[1][0] / ranked[0][0] if len(ranked) > 1 else None}
         diloco = [v for name, v in reach.items() if name.startswith("diloco") and v is not None]
-        row["adloco_vs_best_diloco"] = reach["adloco"] / min(diloco) if reach.get("adloco") and diloco else None
-        row.update({f"time_{name}": v for name, v in reach.items()})
-        crossover.append(row)
-    figures = [_plot_network(panels, target, metric, out), _plot_crossover(crossover, list(results), target, metric,
-                                                                           crossover_latency, out)]
-    lines = ["## Predicted wall time on a network (benchmarks/network.py)", "",
-             f"A cost model, not a measurement: each run's logged rounds (tokens per node, nodes per trainer, merges, "
-             f"node moves) priced at {throughput:.4g} tokens/s per node "
-             f"({'given' if args.node_throughput else 'measured: all runs, tokens / wall time'}) plus, per "
-             "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes"
-             f"{'' if args.no_statistics else ', the batch test statistics included'}). Nodes compute in parallel, "
-             "trainers synchronise in parallel. Ignored: overlap of compute and communication, stragglers, "
-             f"contention, evaluation. Target {metric}: {target:.4g} "
-             f"({'given' if args.time_target else 'the loosest value every run reached'}); time budget: "
-             f"{'given' if args.time_budget else 'the shortest predicted run'} per network. "
-             "network_share: the part of the predicted time the network adds.", ""]
-    for net, _, budget in panels:
-        lines += [f"### {network.describe(net)}", "",
-                  *_table([r for r in rows if r["network"] == net.name],
-                          ["variant", "time_to_target_s", "vs_fastest", "metric_at_budget_mean", "metric_at_budget_std",
-                           "total_time_s", "network_share"]), "",
-                  f"metric_at_budget: at {budget:.4g} s of predicted time.", ""]
-    lines += [f"### Crossover: who reaches {metric} {target:.4g} first, by bandwidth (latency "
-              f"{args.crossover_latency})", "", *_table(_crossover_ranges(crossover),
-                                                      ["bandwidth", "winner", "runner_up", "margin",
-                                                       "adloco_vs_best_diloco"]), "",
-              "margin: the runner-up's predicted time to the target over the winner's (range over the band). "
-              "adloco_vs_best_diloco: AdLoCo's predicted time to the target over the fastest DiLoCo variant's "
-              "(below 1: AdLoCo is faster).", "",
-              *[f"![{p.stem}]({p.name})" for p in figures], ""]
-    with (out / "network.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    if crossover:
-        with (out / "crossover.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(crossover[0]))
-            w.writeheader()
-            w.writerows(crossover)
-    return lines, {"throughput": throughput, "target": target, "rows": rows, "crossover": crossover}
-
-
-def _rate(bits: float) -> str:
-    unit, factor = next((u, f) for u, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1))
-                        if bits >= f * 0.999)
-    return f"{bits / factor:.3g} {unit}"
+        crossover.append({"bandwidth_bit_s": bandwidth * 8, "winner": ranked[0][1], "winner_time_s": ranked[0][0],
+                          "runner_up": ranked[1][1] if len(ranked) > 1 else None,
+                          "margin": ranked[1][0] / ranked[0][0] if len(ranked) > 1 else None,
+                          "adloco_vs_best_diloco": reach["adloco"] / min(diloco)
+                          if reach.get("adloco") and diloco else None,
+                          **{f"time_{name}": v for name, v in reach.items()}})
+    return {"throughput": throughput, "target": target, "crossover_latency": crossover_latency, "rows": rows,
+            "panels": panels, "crossover": crossover}
 
 
 def _crossover_ranges(crossover: list[dict]) -> list[dict]:
@@ -393,9 +392,9 @@ def _crossover_ranges(crossover: list[dict]) -> list[dict]:
         values = [v for v in values if v is not None]
         return f"{min(values):.3g}x..{max(values):.3g}x" if values else "-"
 
-    return [{"bandwidth": f"{_rate(b['low'])} .. {_rate(b['high'])}", "winner": b["winner"],
-             "runner_up": b["runner_up"], "margin": span(b["margins"]), "adloco_vs_best_diloco": span(b["adloco"])}
-            for b in bands]
+    return [{"bandwidth": f"{network.format_rate(b['low'], 3)} .. {network.format_rate(b['high'], 3)}",
+             "winner": b["winner"], "runner_up": b["runner_up"], "margin": span(b["margins"]),
+             "adloco_vs_best_diloco": span(b["adloco"])} for b in bands]
 
 
 def _plot_network(panels: list, target: float, metric: str, out: Path) -> Path:
@@ -531,7 +530,7 @@ def write_outputs(report: dict, results: dict, args, out: Path) -> str:
               "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
               "benchmarks/theory.py.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plot(results, metric, out)]
-    lines += ["", *network_report(results, metric, args, out)[0]]
+    lines += ["", *network_report(results, metric, args, out)]
     text = "\n".join(lines) + "\n"
     (out / "comparison.md").write_text(text)
     return text

@@ -95,11 +95,16 @@ def parse_network(spec: str) -> Network:
     return Network(name, parse_bandwidth(parts[0]), parse_latency(parts[1]))
 
 
+def format_rate(bits_per_s: float, digits: int = 6) -> str:
+    """1.25e10 -> '12.5 Gbit/s'."""
+    unit, factor = next((u, f) for u, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1.0))
+                        if bits_per_s >= f * 0.999 or f == 1.0)
+    return f"{bits_per_s / factor:.{digits}g} {unit}"
+
+
 def describe(net: Network) -> str:
-    bits = net.bandwidth * 8
-    unit = next((u, f) for u, f in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1)) if bits >= f)
     lat = f"{net.latency * 1e3:g} ms" if net.latency >= 1e-3 else f"{net.latency * 1e6:g} us"
-    return f"{net.name} ({bits / unit[1]:g} {unit[0]}, {lat})"
+    return f"{net.name} ({format_rate(net.bandwidth * 8)}, {lat})"
 
 
 # ---------------------------------------------------------------------------------------------------------
