@@ -83,3 +83,27 @@ def test_latency_is_paid_per_round_and_bandwidth_per_byte():
     no_latency = Network("bandwidth only", bandwidth=1 * MB, latency=0.0)
     times, _ = timeline(rounds, no_latency, node_throughput=1000, weight_bytes=10**6)
     assert times[3] == pytest.approx(3 * (1.0 + 1.5))  # each node sends 2 x 3/4 MB per round
+
+
+def test_network_check_calibrates_on_loopback_and_compares_all_reduces(tmp_path):
+    """benchmarks/network_check.py under a real torchrun (2 gloo processes): calibrated numbers, and every
+    all-reduce size measured beside its prediction (how close they are is machine-dependent: not asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "check"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.network_check", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cal = json.loads((out / "calibration.json").read_text())
+    assert cal["procs"] == 2 and cal["latency_s"] > 0 and cal["bandwidth_bytes_s"] > 0
+    sizes = [r["bytes"] for r in cal["allreduce"]]
+    assert sizes == sorted(sizes) and 7_148_032 in sizes
+    for r in cal["allreduce"]:
+        model = Network("loopback", cal["bandwidth_bytes_s"], cal["latency_s"])
+        assert r["predicted_s"] == pytest.approx(model.allreduce(2, r["bytes"]))
+        assert r["measured_s"] > 0 and r["measured_over_predicted"] == pytest.approx(r["measured_s"] / r["predicted_s"])
+    assert "| all-reduce of | measured s | model s |" in (out / "results.md").read_text()
