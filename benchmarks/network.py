@@ -141,6 +141,8 @@ def round_time(work: RoundWork, net: Network, node_throughput: float, weight_byt
     """The predicted wall time of one round (see the module docstring)."""
     compute, slowest = 0.0, 0.0
     for t in work.trainers:
+        if t.num_nodes == 0:  # every node of the trainer failed this round (on_node_fault: skip)
+            continue
         own = t.tokens / t.num_nodes / node_throughput
         sync = net.allreduce(t.num_nodes, weight_bytes)
         if t.statistics_bytes and t.num_nodes > 1:
@@ -155,8 +157,8 @@ def round_time(work: RoundWork, net: Network, node_throughput: float, weight_byt
 
 def timeline(rounds: list[RoundWork], net: Network, node_throughput: float,
              weight_bytes: int) -> tuple[dict[int, float], float]:
-    """Predicted wall time at the end of each round, by outer step ({0: 0.0, 1: t1, 2: t1 + t2, ...}), and the
-    part of the last one that is compute (the rest is what the network adds)."""
+    """Predicted wall time at the end of each round, by outer step ({0: 0.0, 1: t1, 2: t1 + t2, ...}), and how
+    much of the whole is compute (the rest is what the network adds)."""
     times, now, compute = {0: 0.0}, 0.0, 0.0
     for work in rounds:
         spent = round_time(work, net, node_throughput, weight_bytes)

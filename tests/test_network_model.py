@@ -40,6 +40,11 @@ def test_latency_units_and_network_specs():
             parse_network(bad)
 
 
+def test_a_trainer_whose_nodes_all_failed_costs_nothing():
+    work = RoundWork(1, [TrainerRound(num_nodes=0, tokens=0), TrainerRound(num_nodes=1, tokens=500)], merges=[])
+    assert round_time(work, SLOW, node_throughput=1000, weight_bytes=10**6).total == pytest.approx(0.5)
+
+
 def test_one_node_trainer_costs_no_communication():
     work = RoundWork(1, [TrainerRound(num_nodes=1, tokens=3000, statistics_bytes=10**9)], merges=[])
     spent = round_time(work, SLOW, node_throughput=1000, weight_bytes=10**9)
