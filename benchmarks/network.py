@@ -36,6 +36,8 @@ from pathlib import Path
 
 import yaml
 
+from algorithms.traffic import ring_allreduce_bytes
+
 # named settings for --network; per node link, per direction
 PRESETS = {
     "datacentre": "100Gbit/s,10us",  # one cluster, Ethernet/InfiniBand class
@@ -60,7 +62,8 @@ class Network:
         """A ring all-reduce of `nbytes` among `num_nodes` nodes: 2 (n-1) steps of nbytes / n each."""
         if num_nodes <= 1:
             return 0.0
-        return 2 * (num_nodes - 1) * (self.latency + nbytes / num_nodes / self.bandwidth)
+        # each node sends its share of the accounting's ring bytes (algorithms/traffic.py), one latency per step
+        return 2 * (num_nodes - 1) * self.latency + ring_allreduce_bytes(num_nodes, nbytes) / num_nodes / self.bandwidth
 
 
 def parse_bandwidth(text: str) -> float:
@@ -226,7 +229,7 @@ def _infer_weight_bytes(by_step: dict[int, list[dict[str, str]]]) -> int:
     for step in sorted(by_step):
         rows = by_step[step]
         total = int(rows[0]["allreduce_bytes"] or 0)
-        ring = sum(2 * (int(r["num_nodes"]) - 1) for r in rows if r["num_nodes"])
+        ring = sum(ring_allreduce_bytes(int(r["num_nodes"]), 1) for r in rows if r["num_nodes"])
         if step > 0 and ring and total > before:
             return (total - before) // ring
         before = total
@@ -237,7 +240,7 @@ def accounted_bytes(rounds: list[RoundWork], weight_bytes: int) -> int:
     """The weights traffic the model charges, on algorithms/traffic.py's definitions (a check against the run)."""
     total = 0
     for work in rounds:
-        total += sum(2 * (t.num_nodes - 1) * weight_bytes for t in work.trainers if t.num_nodes > 1)
+        total += sum(ring_allreduce_bytes(t.num_nodes, weight_bytes) for t in work.trainers)
         total += sum(nbytes for _, nbytes in work.merges) + work.node_move_bytes
     return total
 

@@ -53,7 +53,7 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
 
-    def ping_pong(nbytes: int) -> float:
+    def ping_pong(nbytes: int) -> None:
         """One-way time of an nbytes message between rank 0 and rank 1 (half a round trip)."""
         buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
         if rank == 0:
@@ -62,7 +62,6 @@ def worker(args) -> None:
         elif rank == 1:
             dist.recv(buf, 0)
             dist.send(buf, 0)
-        return 0.0
 
     for _ in range(3):  # warm-up: connections, allocations
         ping_pong(64_000_000)
