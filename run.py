@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
-from utils.errors import ConfigError, RunStopped, UserError
+from utils.errors import ConfigError, RunStopped, TrainingFault, UserError
 from utils.preflight import check_before_work
 
 log = logging.getLogger("run")
@@ -118,37 +118,6 @@ def resume_config(run_dir: Path, overrides: list[str], config_arg: str | None):
 # ----------------------------------------------------------------------------------------------
 
 
-class RunLock:
-    """run.lock holds the pid of the process using a run directory; a live holder blocks a second one."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / "run.lock"
-
-    def holder(self) -> int | None:
-        try:
-            pid = int(self.path.read_text().strip())
-        except (OSError, ValueError):
-            return None
-        if pid == os.getpid():
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        return pid
-
-    def acquire(self) -> None:
-        pid = self.holder()
-        if pid is not None:
-            raise UserError(f"run directory {self.path.parent} is in use by process {pid}")
-        self.path.write_text(str(os.getpid()))
-
-    def release(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
 def _close_within(action, seconds: float, what: str) -> None:
     """Trackers can hang (a ClearML upload); a stop must still end in time."""
     done = threading.Event()
@@ -180,6 +149,7 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     from training_logs.memory_monitor import MemoryMonitor
     from training_logs.training_monitoring import TrainingLogger, cut_jsonl
     from utils.checkpoint import write_atomic
+    from utils.run_state import RunLock, write_status
     from utils.signals import StopSignals
     from utils.utils import make_run_dir, set_seeds, setup_logging
 
@@ -191,14 +161,14 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         torchrun.init(cfg, env)
     if resume is not None:
         run_dir, checkpoint = resume
-    elif env is None:
-        run_dir = make_run_dir(cfg.log_dir, cfg.run_name, cfg.model_config.name, cfg.dataset)
+
+        def claim():  # the run directory, locked for the life of this process
+            return run_dir, RunLock(run_dir).acquire()
     else:
-        run_dir = torchrun.shared_run_dir(env, lambda: make_run_dir(cfg.log_dir, cfg.run_name,
-                                                                      cfg.model_config.name, cfg.dataset))
-    lock = RunLock(run_dir)
-    if writes:
-        lock.acquire()
+        def claim():
+            return make_run_dir(cfg.log_dir, cfg.run_name, cfg.model_config.name, cfg.dataset)
+    # under torchrun rank 0 claims the directory and tells the others (its error too)
+    run_dir, lock = claim() if env is None else torchrun.shared_run_dir(env, claim)
     logger = None
     scratch = None if writes else Path(tempfile.mkdtemp(prefix="adloco_rank"))  # other ranks' logs go nowhere
     stop.install()
@@ -209,6 +179,9 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         resume_step = checkpoint.outer_step if checkpoint is not None else None
         if writes:
             write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            write_status(run_dir, "running", exit_code=None, signal=None, outer_step=resume_step,
+                         checkpoint=str(checkpoint.path) if checkpoint is not None else None,
+                         resumable=checkpoint is not None, error=None, message=None)
             if checkpoint is not None:
                 cut_jsonl(run_dir / "metrics.jsonl", resume_step)
         if checkpoint is not None:
@@ -244,15 +217,28 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         if stop.requested:
             log.warning("%s arrived during the final checkpoint; the run is complete", stop.name)
         logger.finish(summary)
-    except RunStopped as exc:
-        exc.run_dir = run_dir
-        log.warning("%s; resume with: python run.py --resume %s", exc, run_dir, extra=FILE_ONLY)
-        raise
-    except UserError as exc:
-        log.error("%s", exc, extra=FILE_ONLY)  # the run's own log says why it ended
-        raise
-    except Exception:
-        log.exception("run failed", extra=FILE_ONLY)  # the traceback goes to the log; main prints one line
+        if writes:  # while the lock is held: nothing of this run is written after another may take the directory
+            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+            write_status(run_dir, "completed", exit_code=0, outer_step=summary["outer_steps"],
+                         checkpoint=str(run_dir / "model_weights" / "final"), resumable=False,
+                         final_metric=summary["final_metric"])
+        log.info("final model: trainer %d, %s %.4g (start %.4g); %s, %s, accumulation used: %s; %s, %s, %.1f "
+                 "MB communicated; %.0f s", summary["final_trainer"], summary["metric"], summary["final_metric"],
+                 summary["initial_metric"], plural(summary["merges"], "merge"),
+                 plural(summary["batch_increases"], "batch increase"), summary["accumulation_used"],
+                 plural(summary["rounds"], "round"), plural(summary["syncs"], "sync"),
+                 summary["bytes_communicated"] / 1e6, summary["wall_time_s"])
+        log.info("outputs in %s", run_dir)
+    except BaseException as exc:
+        if isinstance(exc, RunStopped):
+            exc.run_dir = run_dir
+            log.warning("%s; resume with: python run.py --resume %s", exc, run_dir, extra=FILE_ONLY)
+        elif isinstance(exc, UserError):
+            log.error("%s", exc, extra=FILE_ONLY)  # the run's own log says why it ended
+        elif isinstance(exc, Exception):
+            log.exception("run failed", extra=FILE_ONLY)  # the traceback goes to the log; main prints one line
+        if writes:
+            record_ending(run_dir, exc)
         raise
     finally:
         if logger is not None:
@@ -264,16 +250,6 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
             shutil.rmtree(scratch, ignore_errors=True)
         if env is not None:
             torchrun.finish()
-    if not writes:
-        return run_dir, summary
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-    log.info("final model: trainer %d, %s %.4g (start %.4g); %s, %s, accumulation used: %s; %s, %s, %.1f MB "
-             "communicated; %.0f s", summary["final_trainer"], summary["metric"], summary["final_metric"],
-             summary["initial_metric"], plural(summary["merges"], "merge"),
-             plural(summary["batch_increases"], "batch increase"), summary["accumulation_used"],
-             plural(summary["rounds"], "round"), plural(summary["syncs"], "sync"), summary["bytes_communicated"] / 1e6,
-             summary["wall_time_s"])
-    log.info("outputs in %s", run_dir)
     return run_dir, summary
 
 
@@ -281,12 +257,56 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def ending_of(exc: BaseException, resuming: str | None = None) -> tuple[str, int, str]:
+    """How an exception ends a run: (state for status.json, exit code, the one line printed on stderr)."""
+    from utils.signals import StopRequested, signal_name
+
+    if isinstance(exc, RunStopped):
+        where = getattr(exc, "run_dir", "RUN_DIR")
+        return "stopped", exc.exit_code, f"{exc}; resume with: python run.py --resume {where}"
+    if isinstance(exc, TrainingFault):
+        return "fault", exc.exit_code, f"error: {exc}"
+    if isinstance(exc, UserError):
+        return "failed", exc.exit_code, f"error: {exc}"
+    if isinstance(exc, (StopRequested, KeyboardInterrupt)):
+        signum = getattr(exc, "signum", 2)
+        if resuming:
+            line = (f"stopped by {signal_name(signum)} before training resumed; the checkpoints in {resuming} "
+                    "are unchanged")
+        else:
+            line = f"stopped by {signal_name(signum)} before training started; nothing to resume"
+        return "stopped", 128 + signum, line
+    if isinstance(exc, OSError):
+        where = f" {exc.filename}" if exc.filename else ""
+        return "failed", 2, f"error: cannot write or read{where} ({exc.strerror or exc})"
+    where = _log_path()
+    return "failed", 1, (f"error: internal error ({type(exc).__name__}: {str(exc)[:200]})"
+                         + (f"; traceback in {where}" if where else ""))
+
+
+def record_ending(run_dir: Path, exc: BaseException) -> None:
+    """status.json for a run that did not complete: what ended it, where it can resume from."""
+    from utils.checkpoint import MANIFEST
+    from utils.run_state import write_status
+    from utils.signals import signal_name
+
+    state, code, line = ending_of(exc, resuming=str(run_dir))
+    complete = sorted((run_dir / "model_weights").glob(f"outer_step_*/{MANIFEST}"))  # NNNN: sorted by step
+    latest = complete[-1].parent if complete else None
+    fields = {"exit_code": code, "signal": None, "outer_step": int(latest.name.rsplit("_", 1)[1]) if latest else None,
+              "checkpoint": str(latest) if latest else None, "resumable": latest is not None,
+              "error": line if state in ("failed", "fault") else None, "message": line}
+    if state == "stopped":
+        fields["signal"] = signal_name(code - 128)
+    write_status(run_dir, state, **fields)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input, 3 training fault, 1 unexpected error, 130 / 143 stopped by a signal."""
-    from utils.signals import StopRequested, StopSignals
+    from utils.signals import StopSignals
 
     args = parse_args(argv)
-    stop = StopSignals()
+    stop = StopSignals().install()  # from the start: a signal during set-up ends the process in one line too
     try:
         if args.resume:
             run_dir = Path(args.resume).expanduser()
@@ -303,30 +323,12 @@ def main(argv: list[str] | None = None) -> int:
                 train(cfg, (run_dir, checkpoint), stop)
             else:
                 train(cfg, None, stop)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except RunStopped as exc:
-        print(f"{exc}; resume with: python run.py --resume {getattr(exc, 'run_dir', 'RUN_DIR')}", file=sys.stderr)
-        return exc.exit_code
-    except (StopRequested, KeyboardInterrupt) as exc:
-        signum = getattr(exc, "signum", 2)
-        what = stop.name if stop.signum else "SIGINT"
-        if args.resume:
-            print(f"stopped by {what} before training resumed; the checkpoints in {args.resume} are unchanged",
-                  file=sys.stderr)
-        else:
-            print(f"stopped by {what} before training started; nothing to resume", file=sys.stderr)
-        return 128 + signum
-    except OSError as exc:
-        where = f" {exc.filename}" if exc.filename else ""
-        print(f"error: cannot write or read{where} ({exc.strerror or exc})", file=sys.stderr)
-        return 2
-    except Exception as exc:  # a bug: one line here, the traceback in the run's log
-        where = _log_path()
-        print(f"error: internal error ({type(exc).__name__}: {str(exc)[:200]})"
-              + (f"; traceback in {where}" if where else ""), file=sys.stderr)
-        return 1
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        _, code, line = ending_of(exc, resuming=args.resume)
+        print(line, file=sys.stderr)
+        return code
     return 0
 
 

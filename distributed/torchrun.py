@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from utils.config import Config
 from utils.errors import ConfigError, UserError
@@ -89,14 +90,16 @@ def init(cfg: Config, env: DistEnv) -> None:
     _STORE = dist.PrefixStore(f"adloco/attempt_{attempt}/arrivals", store)
 
 
-def shared_run_dir(env: DistEnv, make: Callable[[], Path]) -> Path:
-    """Rank 0 makes the run directory and tells the others (its error too, so no rank waits for nothing)."""
+def shared_run_dir(env: DistEnv, claim: Callable[[], tuple[Path, Any]]) -> tuple[Path, Any]:
+    """Rank 0 claims the run directory (made and locked) and tells the others; its error too, so no rank
+    waits for nothing. Returns (run directory, rank 0's lock or None)."""
     import torch.distributed as dist
 
     message: list = [None]
+    lock = None
     if env.is_main:
         try:
-            run_dir = make()
+            run_dir, lock = claim()
             message[0] = ("ok", str(run_dir))
             marker = restart_marker(run_dir.parent)
             if marker is not None:  # where a restarted group finds this run
@@ -107,7 +110,7 @@ def shared_run_dir(env: DistEnv, make: Callable[[], Path]) -> Path:
     status, value = message[0]
     if status == "error":
         raise UserError(value)
-    return Path(value)
+    return Path(value), lock
 
 
 def finish() -> None:

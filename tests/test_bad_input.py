@@ -22,6 +22,7 @@ from run import main, train
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
 from utils.errors import ConfigError, DataError, UserError
+from utils.run_state import in_use
 from utils.utils import make_run_dir
 
 SHARD = ROOT.parent / "shared" / "data" / "c4" / "c4-train.00000-of-01024.first1000.json.gz"
@@ -76,7 +77,9 @@ def test_duplicate_yaml_keys_and_bad_encoding(tmp_path):
 def test_log_dir_expands_home_and_run_names_are_unique(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    dirs = {make_run_dir("~/runs", "", "microllama-tiny", "embedded") for _ in range(3)}  # the same second
+    claimed = [make_run_dir("~/runs", "", "microllama-tiny", "embedded") for _ in range(3)]  # the same second
+    dirs = {d for d, lock in claimed}
+    assert all(lock.held for _, lock in claimed)
     assert len(dirs) == 3 and all(d.parent == tmp_path / "home" / "runs" for d in dirs)
     assert not (tmp_path / "~").exists()
     (tmp_path / "home" / "runs" / "a_file").write_text("x")
@@ -130,7 +133,7 @@ def test_a_failed_run_logs_its_error_and_never_blocks_a_retry(tiny_config, tmp_p
     assert len(stubs) == 1  # the first attempt's directory, moved aside and kept
     for run in (log_dir / "retry", log_dir / stubs[0]):
         assert "is not a complete gzip text file" in (run / "training_log.log").read_text()
-        assert not (run / "run.lock").exists()
+        assert in_use(run) is None  # the lock went with the process that failed
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -21,6 +21,7 @@ from run import main, resume_config, train
 from tests.conftest import ROOT, TINY
 from utils.checkpoint import (
     MANIFEST,
+    RESUME_STATE,
     CheckpointWriteError,
     latest_checkpoint,
     remove_stray_temporaries,
@@ -29,6 +30,7 @@ from utils.checkpoint import (
 )
 from utils.config import load_config
 from utils.errors import ConfigError, TrainingFault, UserError
+from utils.run_state import RunLock, in_use
 
 RESUMABLE = [*TINY, "max_batch_size=2", "initial_batch_size=3", "ETA=0.3", "max_requested_batch=8",
              "num_init_trainers=4", "devices=[cpu,cpu]", "outer_momentum=0.9", "outer_nesterov=true",
@@ -128,12 +130,64 @@ def test_sigterm_with_clearml_stops_in_time_and_resumes_exactly(reference, tmp_p
     assert "Traceback" not in err
     first_task = json.loads((run_dir / "clearml_task.json").read_text())
     assert first_task["mode"] == "offline"
-    assert no_temporaries(run_dir) and not (run_dir / "run.lock").exists()
+    assert no_temporaries(run_dir) and in_use(run_dir) is None
     stopped_at = latest_checkpoint(run_dir / "model_weights", load_config(run_dir / "config.yaml").meaning_hash())
     assert stopped_at.outer_step >= 3
     run_dir, _ = resume(run_dir)  # a new offline ClearML session that names the task it continues
     assert json.loads((run_dir / "clearml_task.json").read_text())["continues"] == first_task["task_id"]
     assert_same_run(reference, run_dir)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2])
+def test_scheduler_signals_stop_like_sigterm_and_resume_exactly(reference, tmp_path, cache_dir, signum):
+    """A closed terminal (SIGHUP) and SLURM's --signal warning (SIGUSR1/2): a checkpoint of the last complete
+    outer step, one line, exit 128 + signum, status.json says so, and --resume is exact."""
+    name = signal.Signals(signum).name
+    run_dir = tmp_path / "sched"
+    proc = subprocess.Popen(cli(cache_dir, tmp_path, "run_name=sched", "num_outer_steps=40"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "[outer 2/" in (run_dir / "training_log.log").read_text()
+             if (run_dir / "training_log.log").is_file() else False, proc)
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "running"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {name} after outer step ") and f"--resume {run_dir}" in last, err
+    assert "Traceback" not in err
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped" and status["signal"] == name and status["exit_code"] == 128 + signum
+    assert status["resumable"] and status["outer_step"] >= 2 and status["message"] == last
+    assert status["checkpoint"] == str(run_dir / "model_weights" / f"outer_step_{status['outer_step']:04d}")
+    assert in_use(run_dir) is None
+    run_dir, _ = resume(run_dir)
+    assert_same_run(reference, run_dir)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "completed" and status["exit_code"] == 0 and status["outer_step"] == STEPS
+
+
+def test_status_json_says_how_a_run_ended(tmp_path, cache_dir):
+    """completed / fault / failed, written atomically by the process that held the directory."""
+    args = ["--config", str(ROOT / "config.yaml"), *TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path}"]
+    assert main([*args, "run_name=ok", "num_outer_steps=1"]) == 0
+    status = json.loads((tmp_path / "ok" / "status.json").read_text())
+    assert status["state"] == "completed" and status["exit_code"] == 0 and not status["resumable"]
+    assert main([*args, "run_name=nan", "inject_fault=2:0:nan"]) == 3
+    status = json.loads((tmp_path / "nan" / "status.json").read_text())
+    assert status["state"] == "fault" and status["exit_code"] == 3 and status["signal"] is None
+    assert status["error"].startswith("error: node fault at outer step 2") and status["outer_step"] == 1
+    assert status["resumable"] and status["checkpoint"].endswith("outer_step_0001")
+    # a resume refused before it claims the directory leaves the record of the run as it was
+    (tmp_path / "nan" / "model_weights" / "outer_step_0001" / RESUME_STATE).write_bytes(b"damaged")
+    assert main(["--resume", str(tmp_path / "nan")]) == 2
+    assert json.loads((tmp_path / "nan" / "status.json").read_text()) == status
+    shard = tmp_path / "c4" / "en" / "c4-train.00000-of-01024.json.gz"  # damaged data, found while loading
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"\x1f\x8b\x08 not really gzip")
+    assert main([*args, "run_name=bad", "dataset=c4", f"c4_local_path={tmp_path / 'c4'}"]) == 2
+    status = json.loads((tmp_path / "bad" / "status.json").read_text())
+    assert status["state"] == "failed" and status["exit_code"] == 2 and not status["resumable"]
+    assert status["error"].startswith("error: ") and "c4-train.00000-of-01024.json.gz" in status["error"]
 
 
 def test_sigkill_loses_only_the_work_since_the_last_checkpoint(reference, tmp_path, cache_dir):
@@ -397,9 +451,14 @@ def test_retrying_a_run_with_checkpoints_points_to_resume(tiny_config):
     with pytest.raises(ConfigError, match="already finished its 1 outer steps; give a larger num_outer_steps"):
         resume_config(run_dir, [], None)
     cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=2"], None)
-    (run_dir / "run.lock").write_text(str(os.getppid()))  # a live process holds the directory
-    with pytest.raises(UserError, match=f"is in use by process {os.getppid()}"):
-        train(cfg, (run_dir, checkpoint))
+    holder = RunLock(run_dir).acquire()  # a live holder (this process, through another open file)
+    try:
+        with pytest.raises(UserError, match=f"is in use by process {os.getpid()} on host "):
+            train(cfg, (run_dir, checkpoint))
+    finally:
+        holder.release()
+    (run_dir / "run.lock").write_text(json.dumps({"pid": os.getppid(), "host": "elsewhere"}))  # a stale lock file
+    assert train(cfg, (run_dir, checkpoint))[1]["outer_steps"] == 2  # names a live pid, but nobody holds the lock
 
 
 def test_max_tokens_is_fixed_when_it_sets_the_rampup_schedule(tiny_config):

@@ -316,7 +316,7 @@ class Config:
 FAULT_KINDS = ("nan", "error", "hang")
 # what a run directory holds besides its log file (README: "What a run shows and leaves")
 RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "model_weights", "model_training_report",
-                             "memory_report", "tensorboard", "clearml_task.json", "run.lock"})
+                             "memory_report", "tensorboard", "clearml_task.json", "run.lock", "status.json"})
 MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffixes need the rest
 # Keys a resumed run may change (--resume RUN_DIR key=value): they do not change what is computed, only
 # how long it runs, what is recorded and how faults are handled. Everything else is fixed by the checkpoint.

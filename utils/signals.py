@@ -1,10 +1,21 @@
-"""Clean stops on SIGINT and SIGTERM.
+"""Clean stops on every catchable signal that would end the process.
 
 The first signal asks the run to stop: nodes leave their round at the next inner step, the cluster
 goes back to the state at the end of the last complete outer step, writes a checkpoint, closes the
-trackers and exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM). A second signal
-exits at once. Handlers are installed after the trackers, so ClearML's own handlers (which swallow
-SIGTERM) never see the signal.
+trackers and exits with 128 + the signal number. A second signal exits at once. Handlers are installed
+after the trackers, so ClearML's own handlers (which swallow SIGTERM) never see the signal.
+
+Which signals, and why each one arrives:
+    SIGINT   130  Ctrl-C
+    SIGTERM  143  kill, a scheduler's stop (SLURM at the time limit, Kubernetes), torchrun forwarding
+    SIGHUP   129  the terminal or SSH session closed
+    SIGUSR1  138  SLURM's --signal=USR1@<seconds> warning before the time limit (others use it too)
+    SIGUSR2  140  the same, for schedulers and scripts that prefer USR2
+    SIGQUIT  131  Ctrl-\\ (a stop with a checkpoint rather than a core dump)
+    SIGXCPU  152  a CPU-time limit (ulimit -t, SLURM/PBS CPU limits) about to be enforced
+    SIGPWR   158  a UPS's power-failure warning (Linux)
+Ignored by Python already (they end nothing): SIGPIPE, SIGXFSZ. Left alone: SIGALRM, SIGPROF, SIGVTALRM
+(timers and profilers of libraries use them) and SIGKILL / SIGSTOP, which no process can catch.
 """
 
 from __future__ import annotations
@@ -14,14 +25,26 @@ import signal
 import sys
 import threading
 
-NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+STOP_SIGNALS = tuple(getattr(signal, name) for name in
+                     ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU", "SIGPWR")
+                     if hasattr(signal, name))
+NAMES = {signum: signal.Signals(signum).name for signum in STOP_SIGNALS}
+
+
+def signal_name(signum: int | None) -> str:
+    if signum is None:
+        return "no signal"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 class StopRequested(BaseException):  # like KeyboardInterrupt: passes through `except Exception`
     """Raised in the main thread when a stop arrives while nothing can checkpoint (set-up, data loading)."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(NAMES.get(signum, str(signum)))
+        super().__init__(signal_name(signum))
         self.signum = signum
 
 
@@ -40,23 +63,22 @@ class StopSignals:
 
     @property
     def name(self) -> str:
-        return NAMES.get(self.signum, str(self.signum))
+        return signal_name(self.signum)
 
     def _handle(self, signum: int, frame) -> None:
         if self.event.is_set():  # the second signal: no more waiting
-            print(f"\n{NAMES.get(signum, signum)} again: exiting now without a checkpoint", file=sys.stderr,
-                  flush=True)
+            print(f"\n{signal_name(signum)} again: exiting now without a checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signum = signum
         self.event.set()
         if not self.can_checkpoint:
             raise StopRequested(signum)
-        print(f"\n{NAMES.get(signum, signum)}: stopping after a checkpoint of the last complete outer step "
+        print(f"\n{signal_name(signum)}: stopping after a checkpoint of the last complete outer step "
               "(signal again to exit at once)", file=sys.stderr, flush=True)
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in NAMES:
+            for signum in STOP_SIGNALS:
                 previous = signal.signal(signum, self._handle)
                 self._previous.setdefault(signum, previous)  # the handlers from before the first install
         return self

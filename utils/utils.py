@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from utils.run_state import RunLock, in_use
+
 
 def set_seeds(seed: int) -> None:
     """Seed the global generators (model init uses its own fork; data uses per-trainer generators)."""
@@ -50,13 +52,14 @@ def setup_logging(log_file: Path | None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
-    """A fresh run directory under log_dir (`~` expanded).
+def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> tuple[Path, RunLock]:
+    """A fresh run directory under log_dir (`~` expanded), returned with its lock held.
 
     Without run_name the name is <model>_<dataset>_<date>, with _2, _3, ... when runs start in the same
-    second. With run_name, an existing directory that holds checkpoints is refused (continue it with
-    --resume), and so is one that is not a run directory; a run directory without checkpoints (the stub of
-    a failed run) is renamed to <run_name>.failed_<date>, never deleted.
+    second. With run_name, a directory that a live process holds is refused (never moved or written),
+    and so is one that holds checkpoints (continue it with --resume) or is not a run directory; a run
+    directory without checkpoints (the stub of a failed run) is locked, then renamed to
+    <run_name>.failed_<date>, never deleted.
     """
     from utils.errors import UserError
 
@@ -70,18 +73,25 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> Path:
             if problem:
                 raise UserError(problem)
             if path.is_dir() and any(path.iterdir()):
-                aside = _unique(root / f"{run_name}.failed_{stamp}")
-                path.rename(aside)
+                stub = RunLock(path).acquire()  # a live run keeps its directory; the lock moves with it
+                try:
+                    problem = refused_run_name(path)  # it may have written a checkpoint before we locked
+                    if problem:
+                        raise UserError(problem)
+                    aside = _unique(root / f"{run_name}.failed_{stamp}")
+                    path.rename(aside)
+                finally:
+                    stub.release()
                 logging.getLogger(__name__).warning("run_name: %s held a run without checkpoints; moved to %s",
                                                     path, aside)
             path.mkdir(exist_ok=True)
-            return path
+            return path, RunLock(path).acquire()
         base = f"{Path(model).name or model}_{dataset}_{stamp}"
         for i in range(1, 1000):
             path = root / (base if i == 1 else f"{base}_{i}")
             try:
                 path.mkdir()  # atomic: two runs starting together never get the same directory
-                return path
+                return path, RunLock(path).acquire()
             except FileExistsError:
                 continue
         raise UserError(f"log_dir: could not find a free run directory name in {root}")
@@ -96,6 +106,9 @@ def refused_run_name(path: Path) -> str | None:
     if path.exists() and not path.is_dir():
         return f"run_name: {path} exists and is not a directory"
     if path.is_dir() and any(path.iterdir()):
+        holder = in_use(path)
+        if holder:
+            return f"run_name: run directory {path} is in use by {holder}; choose another run_name or wait"
         if any((path / "model_weights").glob(f"*/{MANIFEST}")):
             return (f"run_name: {path} holds a run with checkpoints; continue it with "
                     f"`python run.py --resume {path}` or choose another run_name")
