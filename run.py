@@ -277,8 +277,10 @@ def ending_of(exc: BaseException, resuming: str | None = None) -> tuple[str, int
             line = f"stopped by {signal_name(signum)} before training started; nothing to resume"
         return "stopped", 128 + signum, line
     if isinstance(exc, OSError):
+        from utils.safe_write import why_write_failed
+
         where = f" {exc.filename}" if exc.filename else ""
-        return "failed", 2, f"error: cannot write or read{where} ({exc.strerror or exc})"
+        return "failed", 2, f"error: cannot write or read{where} ({why_write_failed(exc)})"
     where = _log_path()
     return "failed", 1, (f"error: internal error ({type(exc).__name__}: {str(exc)[:200]})"
                          + (f"; traceback in {where}" if where else ""))

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def load_embedded_documents(cache_dir: Path, sources: list[str]) -> datasets.Dat
 # Tokenizer
 
 
-def _train_bpe(texts: list[str], vocab_size: int, path: Path) -> None:
+def _train_bpe(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -112,9 +113,29 @@ def _train_bpe(texts: list[str], vocab_size: int, path: Path) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD, CLS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    tmp = path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
+    return tok
+
+
+def store_in_cache(path: Path, write: Callable[[Path], None], what: str) -> bool:
+    """Write a cache entry through a temporary file and a rename. A cache is only a speed-up: a write that
+    fails (a full disk, a read-only file system, anything) costs the cache alone, a one-line warning,
+    and leaves no partial file behind; readers only ever see complete entries."""
+    from utils.safe_write import why_write_failed
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+        return True
+    except Exception as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        log.warning("data: could not cache %s in %s (%s); this run goes on with it in memory", what, path.parent,
+                    why_write_failed(exc))
+        return False
 
 
 def load_pretrained_tokenizer(name: str, cfg: Config, key: str = "tokenizer") -> PreTrainedTokenizerBase:
@@ -150,11 +171,13 @@ def build_tokenizer(cfg: Config, train_texts: list[str], cache_dir: Path, corpus
         digest.update(t.encode())
     key = f"bpe{cfg.tokenizer_vocab_size}-{digest.hexdigest()[:12]}"
     path = cache_dir / "tokenizers" / f"{key}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file():
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS, pad_token=PAD, cls_token=CLS)
+    else:
         log.info("training a %d-token byte-level BPE tokenizer on the training split", cfg.tokenizer_vocab_size)
-        _train_bpe(train_texts, cfg.tokenizer_vocab_size, path)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS, pad_token=PAD, cls_token=CLS)
+        trained = _train_bpe(train_texts, cfg.tokenizer_vocab_size)
+        store_in_cache(path, lambda tmp: tmp.write_text(trained.to_str(), encoding="utf-8"), "the tokenizer")
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained, eos_token=EOS, pad_token=PAD, cls_token=CLS)
     tokenizer.name_or_path = f"{key} (byte-level BPE trained on the {corpus} training split)"
     return tokenizer
 
@@ -284,8 +307,8 @@ def _from_documents(cfg: Config, train_docs: datasets.Dataset, val_docs: dataset
     else:
         train = to_packed(tokenize_and_pack(train_docs, tokenizer, cfg.seq_len))
         val = to_packed(tokenize_and_pack(val_docs, tokenizer, cfg.seq_len))
-        save_packed(cache, train, val)
-        log.info("data: tokenized and packed; cached for the next run in %s", cache)
+        if save_packed(cache, train, val):
+            log.info("data: tokenized and packed; cached for the next run in %s", cache)
     return finish_corpus(cfg, train, val, tokenizer, f"{corpus}: {len(train_docs)} train documents, "
                          f"{len(val_docs)} validation documents ({val_origin})")
 
@@ -322,16 +345,12 @@ def load_packed(path: Path) -> tuple[PackedData, PackedData] | None:
         return None
 
 
-def save_packed(path: Path, train: PackedData, val: PackedData) -> None:
-    """Written to a temporary file and renamed: an interrupted write leaves no entry behind."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save({"train": (train.input_ids, train.attention_mask), "val": (val.input_ids, val.attention_mask)},
-                   tmp)
-        os.replace(tmp, path)
-    except OSError as exc:  # a full or read-only cache costs the next run its speed, not this run
-        log.warning("data: could not cache the packed corpus in %s (%s)", path.parent, exc.strerror or exc)
+def save_packed(path: Path, train: PackedData, val: PackedData) -> bool:
+    """A full or read-only cache costs the next run its speed, not this run."""
+    from utils.safe_write import torch_save
+
+    entry = {"train": (train.input_ids, train.attention_mask), "val": (val.input_ids, val.attention_mask)}
+    return store_in_cache(path, lambda tmp: torch_save(entry, tmp), "the packed corpus")
 
 
 def load_embedded(cfg: Config) -> CorpusData:

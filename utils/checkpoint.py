@@ -16,7 +16,6 @@ checkpoint as it was and removes its temporary directory.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -28,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fabrics.models import load_float_state
 from utils.errors import UserError
+from utils.safe_write import safetensors_save, torch_save, why_write_failed, write_atomic  # noqa: F401
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -101,20 +101,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` all at once: readers see the old or the new file, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def remove_stray_temporaries(weights_dir: Path) -> None:
     """Leftovers of a write that was killed (kill -9, power loss): never complete, safe to delete."""
     if weights_dir.is_dir():
@@ -141,11 +127,11 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
         remove_stray_temporaries(weights_dir)
         tmp.mkdir()
         for t, trainer in trainers.items():
-            save_file({k: v.detach().contiguous() for k, v in trainer.master.items()},
-                      tmp / f"trainer_{t}.safetensors")
-            torch.save(trainer.state_dict(), tmp / f"trainer_{t}_state.pt")
+            safetensors_save({k: v.detach().contiguous() for k, v in trainer.master.items()},
+                             tmp / f"trainer_{t}.safetensors")
+            torch_save(trainer.state_dict(), tmp / f"trainer_{t}_state.pt")
         if resume_state is not None:
-            torch.save(resume_state, tmp / RESUME_STATE)
+            torch_save(resume_state, tmp / RESUME_STATE)
         if final_id is not None and template is not None:
             load_float_state(template, trainers[final_id].master)
             template.save_pretrained(tmp / "final_model")
@@ -172,12 +158,8 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
             os.replace(old, target)
         if not isinstance(exc, Exception):  # an interrupt: the caller handles it
             raise
-        if isinstance(exc, OSError):
-            where = exc.filename or tmp
-            reason = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large",
-                      errno.EROFS: "read-only file system"}.get(exc.errno, exc.strerror or str(exc))
-        else:  # torch.save and safetensors report a failed write as RuntimeError / SafetensorError
-            where, reason = tmp, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        where = (exc.filename if isinstance(exc, OSError) else None) or tmp
+        reason = why_write_failed(exc)
         raise CheckpointWriteError(f"checkpoint: cannot write {where} ({reason}); the previous checkpoint in "
                                    f"{weights_dir} is intact") from None
     return target
