@@ -38,7 +38,7 @@ from fabrics.models import float_state, replicate
 from fabrics.precision import build_precision
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
-from utils.checkpoint import Checkpoint, save_checkpoint
+from utils.checkpoint import Checkpoint, prune_checkpoints, save_checkpoint
 from utils.config import Config
 from utils.errors import RunStopped, TrainingFault, UserError
 from utils.max_batch_calculator import find_max_batch_size
@@ -378,6 +378,8 @@ class ClusterController:
         if self.writes:
             path = save_checkpoint(self.weights_dir, label, self.last_outer_step, self.trainers, state,
                                    self.cfg.meaning_hash(), template, self.data.tokenizer, final_id)
+            for old in prune_checkpoints(self.weights_dir, self.cfg.keep_checkpoints, path):
+                log.debug("keep_checkpoints: removed %s", old)
         self.checkpointed_step = self.last_outer_step
         return path
 

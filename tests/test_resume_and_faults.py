@@ -358,6 +358,38 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
+def test_keep_checkpoints_prunes_only_after_a_verified_newer_one(tmp_path):
+    from utils.checkpoint import prune_checkpoints
+
+    write(tmp_path, "final", 9.0, step=3)  # a finished run being extended: final is never pruned
+    for step in range(1, 6):
+        newest = write(tmp_path, f"outer_step_{step:04d}", float(step), step=step)
+        prune_checkpoints(tmp_path, 2, newest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "outer_step_0004", "outer_step_0005"]
+    assert latest_checkpoint(tmp_path, "hash").outer_step == 5
+    (tmp_path / "outer_step_0006").mkdir()  # a directory without a manifest is not a checkpoint: left alone
+    newest = write(tmp_path, "outer_step_0007", 7.0, step=7)
+    data = bytearray((newest / "trainer_0.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # the newest does not verify: nothing older may go
+    (newest / "trainer_0.safetensors").write_bytes(bytes(data))
+    assert prune_checkpoints(tmp_path, 1, newest) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "outer_step_0004", "outer_step_0005",
+                                                           "outer_step_0006", "outer_step_0007"]
+    assert latest_checkpoint(tmp_path, "hash").outer_step == 5  # what a resume uses is still there
+    assert prune_checkpoints(tmp_path, 0, write(tmp_path, "outer_step_0008", 8.0, step=8)) == []  # 0 = keep all
+
+
+def test_a_run_keeps_its_newest_checkpoints_and_resumes_from_them(tiny_config):
+    cfg = tiny_config("run_name=keep", "num_outer_steps=5", "save_weights_every=1", "keep_checkpoints=2")
+    run_dir, _ = train(cfg)
+    assert sorted(p.name for p in (run_dir / "model_weights").iterdir()) == ["final", "outer_step_0004"]
+    cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=7"], None)
+    assert checkpoint.path.name == "final"
+    _, summary = train(cfg, (run_dir, checkpoint))
+    assert summary["outer_steps"] == 7
+    assert sorted(p.name for p in (run_dir / "model_weights").iterdir()) == ["final", "outer_step_0006"]
+
+
 def test_an_interrupted_write_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     import utils.checkpoint as checkpoint
 

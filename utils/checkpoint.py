@@ -165,6 +165,39 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
     return target
 
 
+def prune_checkpoints(weights_dir: Path, keep: int, newest: Path) -> list[Path]:
+    """keep_checkpoints: after `newest` was written, keep the newest `keep` complete checkpoints (0 = all).
+
+    Nothing is deleted unless `newest` verifies in full (every file's size and sha256), so the checkpoint a
+    resume would use always stays; `final` is never deleted; directories without a manifest are not
+    checkpoints and are left alone. Returns what was deleted."""
+    if keep <= 0:
+        return []
+    try:
+        verify(newest)
+    except UserError as exc:
+        log.warning("keep_checkpoints: nothing pruned, the newest checkpoint does not verify (%s)", exc)
+        return []
+    complete = []
+    for path in weights_dir.iterdir():
+        if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST).is_file():
+            try:
+                step = int(json.loads((path / MANIFEST).read_text())["outer_step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            complete.append((step, path.name == "final", path))
+    complete.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    removed = []
+    for _, is_final, path in complete[keep:]:
+        if is_final or path == newest:
+            continue
+        old = weights_dir / f".{path.name}.pruned.tmp"
+        os.replace(path, old)  # out of sight at once; a kill during the delete leaves only a stray temporary
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Checkpoint:
     """The checkpoint at `path` if it is complete and its files are intact; a UserError saying what is wrong."""
     manifest_path = path / MANIFEST

@@ -165,6 +165,9 @@ class Config:
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
                                  min=0)
+    keep_checkpoints: int = _f(3, "Keep the newest this many complete checkpoints in model_weights (final included; "
+                               "0 = keep all). Older ones are deleted only after a newer one is written and verified; "
+                               "final is never deleted.", min=0)
     plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end).", min=1)
     # --- tracking ---
     clearml_mode: str = _f("auto", "ClearML tracking: online, offline (a session zip to import later), auto "
@@ -324,7 +327,7 @@ RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
     "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
     "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
-    "dist_timeout_s",
+    "dist_timeout_s", "keep_checkpoints",
 })
 
 
