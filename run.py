@@ -159,6 +159,7 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     writes = env is None or env.is_main  # under torchrun only rank 0 writes the run directory
     if env is not None:
         torchrun.init(cfg, env)
+        torchrun.agree_on_config(cfg)  # before the run directory is claimed: a mismatch touches nothing
     if resume is not None:
         run_dir, checkpoint = resume
 
@@ -195,6 +196,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         set_seeds(cfg.training_seed)
         data = load_corpus(cfg)
         log.info("data: %s", data.description)
+        if env is not None:
+            torchrun.agree_on_data(data.fingerprint())
         model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
         log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
                  count_parameters(model) / 1e6)

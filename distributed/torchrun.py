@@ -90,6 +90,60 @@ def init(cfg: Config, env: DistEnv) -> None:
     _STORE = dist.PrefixStore(f"adloco/attempt_{attempt}/arrivals", store)
 
 
+# Keys that may differ between machines: where each keeps its files. Whether the data they lead to is
+# the same is checked apart (agree_on_data).
+PER_MACHINE_KEYS = frozenset({"cache_dir", "c4_local_path", "c4_tokenized_path", "imdb_local_path", "log_dir"})
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def disagreements(per_rank: list[dict[str, Any]]) -> list[str]:
+    """'key: value on ranks a, b; other on rank c' for each key whose value is not the same on every rank."""
+    out = []
+    for key in sorted(set().union(*per_rank)):
+        groups: dict[str, list[int]] = {}
+        for rank, values in enumerate(per_rank):
+            groups.setdefault(repr(values.get(key)), []).append(rank)
+        if len(groups) > 1:
+            out.append(f"{key}: " + "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in groups.items()))
+    return out
+
+
+def agree(what: str, mine: dict[str, Any], advice: str) -> None:
+    """Every rank shares `mine`; if any value differs, every rank stops with the same one line."""
+    import torch.distributed as dist
+
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    differ = disagreements(per_rank)
+    if differ:
+        raise UserError(f"torchrun: the processes were started with different {what}: {' | '.join(differ)}; "
+                        f"{advice}")
+
+
+def agree_on_config(cfg: Config) -> None:
+    """Ranks train in lockstep from one config: a different lr_inner or seed on one machine is refused."""
+    resolved = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE_KEYS}
+    agree("configurations", {**_flatten(resolved), "config_hash": cfg.meaning_hash()},
+          "start every machine with the same config file and key=value overrides")
+
+
+def agree_on_data(fingerprint: dict[str, Any]) -> None:
+    agree("data", fingerprint, "give every machine the same corpus (cache_dir / c4 paths) and tokenizer")
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def shared_run_dir(env: DistEnv, claim: Callable[[], tuple[Path, Any]]) -> tuple[Path, Any]:
     """Rank 0 claims the run directory (made and locked) and tells the others; its error too, so no rank
     waits for nothing. Returns (run directory, rank 0's lock or None)."""

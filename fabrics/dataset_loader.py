@@ -255,6 +255,21 @@ class CorpusData:
     tokenizer: PreTrainedTokenizerBase
     description: str
 
+    def fingerprint(self) -> dict[str, str | int]:
+        """What must be the same on every machine of a torchrun job: the tokenizer, the number of
+        sequences, and a hash of every token of each split (and of the labels, for classification)."""
+        from fabrics.c4_data import vocab_hash
+
+        out: dict[str, str | int] = {"tokenizer": vocab_hash(self.tokenizer)}
+        for split, packed in (("train", self.train), ("val", self.val)):
+            digest = hashlib.sha256(packed.input_ids.contiguous().numpy().tobytes())
+            digest.update(packed.attention_mask.contiguous().numpy().tobytes())
+            if packed.labels is not None:
+                digest.update(packed.labels.contiguous().numpy().tobytes())
+            out[f"{split}_sequences"] = len(packed.input_ids)
+            out[f"{split}_corpus_sha256"] = digest.hexdigest()[:16]
+        return out
+
 
 def hold_out(docs: datasets.Dataset, cfg: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, validation) by whole documents: about 8 characters per token of the val_size sequences.

@@ -222,3 +222,54 @@ def test_a_hung_rank_ends_the_run_after_dist_timeout_s_naming_it(tmp_path, cache
     assert "a collective failed, rank 1 did not answer within dist_timeout_s (hung?)" in lines[0]
     log = (tmp_path / "hang" / "training_log.log").read_text()
     assert "[outer 1/" in log and "[outer 2/" not in log
+
+
+def _two_machines(tmp_path, first: list[str], second: list[str], run_id: str):
+    port = free_port()
+    launch = [*torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", "--rdzv-id", run_id), *RUN, f"log_dir={tmp_path / 'logs'}",
+              "run_name=mixed"]
+    machines = [subprocess.Popen([*launch, *extra], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True) for extra in (first, second)]
+    return [(m.communicate(timeout=600)[1], m.returncode) for m in machines]
+
+
+def test_machines_started_with_different_configs_stop_before_any_work(tmp_path, cache_dir):
+    """Two 'machines' at one rendezvous, one with another lr_inner and seed: every rank stops with one line
+    naming the keys and which ranks hold which value, and no run directory is made."""
+    ended = _two_machines(tmp_path, [f"cache_dir={cache_dir}"],
+                          [f"cache_dir={cache_dir}", "lr_inner=0.001", "training_seed=7"], "mixed_configs")
+    for err, code in ended:
+        assert code != 0
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(lines) == 2, err[-3000:]  # one per process of this machine
+        for line in lines:
+            assert line.startswith("error: torchrun: the processes were started with different configurations: ")
+            assert re.search(r"lr_inner: 0\.003 on ranks \d, \d; 0\.001 on ranks \d, \d", line), line
+            assert "training_seed: 42 on ranks" in line and "7 on ranks" in line
+            assert "start every machine with the same config file" in line
+        assert f'{ROOT / "run.py"}", line' not in err  # no traceback of ours
+    assert not (tmp_path / "logs" / "mixed").exists()
+
+
+def test_machines_with_different_data_stop_naming_it(tmp_path, cache_dir):
+    """The same config, but one machine's cache holds a packed corpus that differs (a damaged or stale
+    entry under the same key): the data fingerprints differ and every rank stops saying so."""
+    import shutil
+
+    subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *RUN, f"cache_dir={cache_dir}",
+                    f"log_dir={tmp_path / 'warm'}", "num_outer_steps=1"], cwd=ROOT, capture_output=True, timeout=600)
+    other = tmp_path / "other_cache"
+    shutil.copytree(cache_dir, other)
+    (entry,) = (other / "packed").glob("*.pt")
+    stored = torch.load(entry, weights_only=True)
+    ids, mask = stored["train"]
+    stored["train"] = (ids.roll(1, dims=0), mask.roll(1, dims=0))  # the same sequences, another order
+    torch.save(stored, entry)
+    ended = _two_machines(tmp_path, [f"cache_dir={cache_dir}"], [f"cache_dir={other}"], "mixed_data")
+    for err, code in ended:
+        assert code != 0
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert lines and all(x.startswith("error: torchrun: the processes were started with different data: "
+                                          "train_corpus_sha256: ") for x in lines), err[-3000:]
+        assert all("val_corpus_sha256" not in x for x in lines)  # only what differs is named
