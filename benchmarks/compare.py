@@ -38,6 +38,7 @@ import csv
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from benchmarks import network  # noqa: E402
 from benchmarks.theory import communication_bound  # noqa: E402
 from training_logs.plots import readable_y  # noqa: E402
 from utils.config import Config, load_config  # noqa: E402
+from utils.run_state import in_use  # noqa: E402
 
 # budget axes: curve key -> what it counts (definitions in algorithms/traffic.py)
 AXES = {"tokens": "tokens seen (all trainers)", "rounds": "rounds (outer steps)",
@@ -143,19 +145,80 @@ def first_reaching(curve: list[dict], target: float, key: str, higher_is_better:
     return None
 
 
+# Keys that say where a run's files go, not what it computes: a finished run is reused across them.
+WHERE_KEYS = frozenset({"log_dir", "cache_dir", "run_name"})
+
+
+def resolved(config_path: str | Path, overrides: list[str]) -> dict:
+    """The config a run.py command line resolves to, without the keys that only place files."""
+    return {k: v for k, v in load_config(config_path, overrides).to_dict().items() if k not in WHERE_KEYS}
+
+
+def config_changes(run_dir: Path, wanted: dict) -> list[str]:
+    """How a finished run's config differs from the one asked for ('key: was -> now'); [] = the same."""
+    try:
+        had = resolved(run_dir / "config.yaml", [])
+    except Exception:  # unreadable, or keys of another version: not reusable
+        return ["config.yaml: unreadable"]
+    return [f"{k}: {had.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(had) | set(wanted))
+            if had.get(k) != wanted.get(k)]
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove a run directory to redo it, unless a live process holds it (another harness, a run.py)."""
+    holder = in_use(run_dir)
+    if holder:
+        raise SystemExit(f"error: {run_dir} is in use by {holder}; stop that run or use another --out")
+    shutil.rmtree(run_dir)
+
+
+class HarnessStopped(BaseException):
+    """SIGINT / SIGTERM / SIGHUP to the harness: its running child is stopped too, then the harness exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum, frame) -> None:
+    raise HarnessStopped(signum)
+
+
+def run_child(cmd: list[str], log_path: Path) -> int:
+    """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal (it
+    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training."""
+    with log_path.open("w") as log_file:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            return child.wait()
+        except BaseException as exc:
+            signum = exc.signum if isinstance(exc, HarnessStopped) else signal.SIGTERM
+            if child.poll() is None:
+                child.send_signal(signum)
+                try:
+                    child.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+            raise
+
+
 def run_variant(name: str, overrides: list[str], seed: int, args, out: Path, extra: list[str]) -> Path:
     run_name = f"{name}_seed{seed}"
     run_dir = out / "runs" / run_name
+    run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={out / 'runs'}",
+                f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
+                f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
     if (run_dir / "summary.json").is_file() and not args.rerun:
-        return run_dir  # finished earlier: resume the comparison instead of redoing it
+        changes = config_changes(run_dir, resolved(args.config, run_args))
+        if not changes:
+            return run_dir  # finished earlier with this very config: resume the comparison instead of redoing it
+        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+        print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
     if run_dir.exists():
-        shutil.rmtree(run_dir)
-    cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *args.overrides, *extra, *overrides,
-           f"training_seed={seed}", f"log_dir={out / 'runs'}", f"run_name={run_name}", "clearml_mode=off",
-           f"max_tokens={args.max_tokens}", f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
-    with (out / "runs" / f"{run_name}.out").open("w") as log_file:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
+        clear_run_dir(run_dir)
+    cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *run_args]
+    if run_child(cmd, out / "runs" / f"{run_name}.out") != 0:
         raise SystemExit(f"variant {name} (seed {seed}) failed; see {out / 'runs' / f'{run_name}.out'}")
     return run_dir
 
@@ -164,14 +227,20 @@ def warm_start(args, out: Path) -> list[str]:
     """Phase 1 of the warm-start workflow: the overrides that start every variant from one pretrained model."""
     if args.pretrain_config:
         run_dir = out / "pretrain"
-        if not (run_dir / "summary.json").is_file():
-            shutil.rmtree(run_dir, ignore_errors=True)
-            cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.pretrain_config, *args.pretrain_set,
-                   f"log_dir={out}", "run_name=pretrain", "clearml_mode=off", "save_weights_every=0"]
+        pretrain_args = [*args.pretrain_set, f"log_dir={out}", "run_name=pretrain", "clearml_mode=off",
+                         "save_weights_every=0"]
+        finished = (run_dir / "summary.json").is_file()
+        changes = config_changes(run_dir, resolved(args.pretrain_config, pretrain_args)) if finished else []
+        if changes:
+            print(f"phase 1: the pretrained start in {run_dir} was made with another config "
+                  f"({'; '.join(changes[:4])}); pretraining again")
+        if not finished or changes:
+            if run_dir.exists():
+                clear_run_dir(run_dir)
+            cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.pretrain_config, *pretrain_args]
             print(f"phase 1: pretraining the shared start ({args.pretrain_config}) into {run_dir}")
-            with (out / "pretrain.out").open("w") as log_file:
-                if subprocess.run(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT).returncode != 0:
-                    raise SystemExit(f"error: --pretrain_config: phase 1 failed; see {out / 'pretrain.out'}")
+            if run_child(cmd, out / "pretrain.out") != 0:
+                raise SystemExit(f"error: --pretrain_config: phase 1 failed; see {out / 'pretrain.out'}")
         init_from = run_dir
     elif args.init_from:
         init_from = Path(args.init_from)
@@ -572,6 +641,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every variant")
     args = p.parse_args(argv)
     parse_networks(args)
+    previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _compare(args)
+    except HarnessStopped as stopped:
+        print(f"stopped by {signal.Signals(stopped.signum).name}: the running variant was stopped too; run the same "
+              "command again to go on (finished runs are reused)", file=sys.stderr)
+        return 128 + stopped.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _compare(args) -> int:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     base = load_config(args.config, args.overrides)

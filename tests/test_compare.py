@@ -154,3 +154,70 @@ def test_warm_start_workflow_pretrains_once_and_starts_every_variant_from_it(tmp
     assert "warm start" in (out / "comparison.md").read_text()
     with pytest.raises(SystemExit, match="--init_from"):
         compare_main(["--init_from", str(tmp_path), "--out", str(tmp_path / "x")])
+
+
+def _compare_args(out, cache_dir, *extra):
+    return ["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "1500", "--max_outer_steps", "40",
+            "--variants", "diloco_b2", "--diloco_batches", "2", "--network", "consumer", "--out", str(out), *SMALL,
+            f"cache_dir={cache_dir}", "max_batch_size=2", *extra]
+
+
+def test_a_finished_run_is_reused_only_under_the_same_config(tmp_path, cache_dir, capsys):
+    out = tmp_path / "compare"
+    run_dir = out / "runs" / "diloco_b2_seed0"
+    assert compare_main(_compare_args(out, cache_dir)) == 0
+    first = (run_dir / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert compare_main(_compare_args(out, cache_dir, "lr_inner=0.002")) == 0  # a changed setting: run again
+    said = capsys.readouterr().out
+    assert "diloco_b2_seed0: the finished run in" in said and "lr_inner: 0.003 -> 0.002" in said
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["lr_inner"] == 0.002
+    second = (run_dir / "summary.json").stat().st_mtime_ns
+    assert second != first
+    assert compare_main(_compare_args(out, cache_dir, "lr_inner=0.002")) == 0  # the same again: reused
+    assert "running it again" not in capsys.readouterr().out
+    assert (run_dir / "summary.json").stat().st_mtime_ns == second
+
+
+def test_the_harness_never_clears_a_directory_a_live_run_holds(tmp_path, cache_dir):
+    from utils.run_state import RunLock
+
+    run_dir = tmp_path / "compare" / "runs" / "diloco_b2_seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("lr_inner: 0.003\n")
+    lock = RunLock(run_dir).acquire()  # a run (or another harness) still using it
+    try:
+        with pytest.raises(SystemExit, match=f"{run_dir} is in use by process"):
+            compare_main(_compare_args(tmp_path / "compare", cache_dir))
+        assert (run_dir / "config.yaml").is_file()
+    finally:
+        lock.release()
+
+
+def test_stopping_the_harness_stops_its_running_variant(tmp_path, cache_dir):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    out = tmp_path / "compare"
+    harness = subprocess.Popen([sys.executable, "-m", "benchmarks.compare",
+                                *_compare_args(out, cache_dir, "--max_tokens", "10000000")],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "runs" / "diloco_b2_seed0" / "training_log.log"
+    deadline = time.time() + 240
+    while not (log.is_file() and "[outer 2/" in log.read_text()):
+        assert harness.poll() is None and time.time() < deadline, harness.communicate()
+        time.sleep(0.2)
+    children = psutil.Process(harness.pid).children(recursive=True)
+    assert children
+    harness.send_signal(signal.SIGTERM)
+    _, err = harness.communicate(timeout=180)
+    assert harness.returncode == 143, err
+    assert "stopped by SIGTERM: the running variant was stopped too" in err.strip().splitlines()[-1]
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive  # no orphan keeps training
+    status = json.loads((out / "runs" / "diloco_b2_seed0" / "status.json").read_text())
+    assert status["state"] == "stopped" and status["signal"] == "SIGTERM"
