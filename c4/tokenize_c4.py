@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -85,7 +86,9 @@ def tokenize_c4(args: argparse.Namespace) -> Path:
     num_proc = args.num_proc if args.num_proc > 1 else None
     train = tokenize_and_pack(train_docs, tokenizer, args.seq_len, num_proc, desc="tokenizing train")
     evaluation = tokenize_and_pack(eval_docs, tokenizer, args.seq_len, num_proc, desc="tokenizing eval")
-    tmp = out.with_name(f".{out.name}.tmp-{int(time.time())}")
+    for stray in out.parent.glob(f".{out.name}.tmp-*"):  # left by a run that was killed (SIGKILL) mid-write
+        shutil.rmtree(stray, ignore_errors=True)
+    tmp = out.with_name(f".{out.name}.tmp-{int(time.time())}-{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
         train.save_to_disk(str(tmp / "train"))
@@ -119,7 +122,8 @@ def _interpreter() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return exit_code_of(lambda: tokenize_c4(args))
+    return exit_code_of(lambda: tokenize_c4(args),
+                        interrupted=f"nothing was written to {Path(args.output_dir).expanduser()}")
 
 
 if __name__ == "__main__":

@@ -172,14 +172,16 @@ def load_model(cfg: AnalysisConfig, train_cfg, tokenizer):
 
 
 def check_checkpoint(path: Path) -> None:
-    """A trainer_<t>.safetensors file, or a Hugging Face directory with config.json and intact weights."""
-    from utils.checkpoint import load_trainer_weights
+    """A trainer_<t>.safetensors file, or a Hugging Face directory with config.json and intact weights; inside a
+    run's checkpoint, every file used is checked against the manifest (size, sha256), as --resume does."""
+    from utils.checkpoint import load_trainer_weights, verify_part
 
     if not path.exists():  # say what is there instead (e.g. trainer 0 did not survive, final_model did)
         parent = next((p for p in path.parents if p.is_dir()), None)
         there = sorted(x.name + ("/" if x.is_dir() else "") for x in parent.iterdir()) if parent else []
         listing = ", ".join(there[:12]) + (f" and {len(there) - 12} more" if len(there) > 12 else "")
         raise UserError(f"checkpoint_path: {path} does not exist; {parent} holds: {listing or 'nothing'}")
+    verify_part(path)  # a flipped bit would otherwise give plausible, wrong numbers
     if not path.is_dir():
         load_trainer_weights(path)
         return

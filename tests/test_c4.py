@@ -3,6 +3,7 @@
 import gzip
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -177,3 +178,33 @@ def test_paper_and_cpu_configs_are_valid():
     assert paper.model_config.name == "keeeeenw/MicroLlama" and paper.dataset == "c4"
     cpu = load_config(ROOT / "configs" / "cpu_c4.yaml")
     assert cpu.dataset == "c4" and cpu.c4_local_path == "../shared/data/c4"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_tokenize_tool_leaves_nothing_behind(tmp_path, cache_dir, signum):
+    """A real signal while the tool writes its temporary directory: one line, exit 128 + signal, no traceback,
+    no hidden temporary directory, no output directory."""
+    out = tmp_path / "c4_tok"
+    script = ("import sys, time\n"
+              f"sys.path.insert(0, {str(ROOT)!r})\n"
+              "import datasets\n"
+              "real = datasets.Dataset.save_to_disk\n"
+              "def slow(self, *a, **k):\n"
+              "    real(self, *a, **k)\n"
+              "    print('writing', flush=True)\n"
+              "    time.sleep(60)\n"
+              "datasets.Dataset.save_to_disk = slow\n"
+              "from c4.tokenize_c4 import main\n"
+              f"sys.exit(main(['--local_path', {str(SHARED_C4)!r}, '--num_documents', '100', '--eval_documents', '10',"
+              f" '--seq_len', '32', '--tokenizer', 'bpe', '--vocab_size', '512', '--cache_dir', {str(cache_dir)!r},"
+              f" '--output_dir', {str(out)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".c4_tok.tmp-")]  # mid-write
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum
+    assert err.strip().splitlines()[-1] == f"interrupted by {signal.Signals(signum).name}; nothing was written to {out}"
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -95,3 +95,25 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, cache_dir):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: checkpoint: {bad} is not a readable safetensors file "
                                                 "(Error while deserializing header: header too small)"]
+
+
+def test_a_bit_flipped_checkpoint_is_refused_by_its_manifest(tmp_path, tiny_config):
+    """A flipped bit in the weights still loads and gives plausible numbers: the manifest catches it."""
+    from run import train
+
+    run_dir, _ = train(tiny_config("run_name=flip", "num_outer_steps=1"))
+    final = run_dir / "model_weights" / "final"
+    trainer = final / f"trainer_{json.loads((run_dir / 'summary.json').read_text())['final_trainer']}.safetensors"
+    for target, damaged in ((trainer, trainer), (final / "final_model", final / "final_model" / "model.safetensors")):
+        data = bytearray(damaged.read_bytes())
+        data[-7] ^= 0x01  # one bit of one weight
+        damaged.write_bytes(bytes(data))
+        proc = subprocess.run([sys.executable, "-m", "gradient_analysis.gradient_analysis", f"checkpoint_path={target}",
+                               "num_samples=8", "batch_sizes=[2]", "repeats=1", f"output_dir={tmp_path / 'out'}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [f"error: checkpoint: {damaged} does not match its sha256 in the "
+                                                    "manifest (corrupted)"]
+        assert not (tmp_path / "out" / "gradient_analysis.json").exists()
+        data[-7] ^= 0x01
+        damaged.write_bytes(bytes(data))  # repaired: the next target is damaged alone

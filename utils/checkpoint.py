@@ -226,6 +226,38 @@ def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Che
     return Checkpoint(path, outer_step, manifest)
 
 
+def verify_part(path: Path) -> Path | None:
+    """A file or directory inside a checkpoint (trainer_0.safetensors, final_model/) against the checkpoint's
+    manifest: size and sha256 of each of its files. Returns the checkpoint directory, or None when `path`
+    is not inside one (a model directory from elsewhere has no manifest to check against)."""
+    path = path.resolve()
+    root = next((p for p in [path, *path.parents] if (p / MANIFEST).is_file()), None)
+    if root is None:
+        return None
+    checkpoint = root.parent.name == "model_weights" or (root / "metadata.json").is_file()
+    if not checkpoint:
+        return None
+    try:
+        files = dict(json.loads((root / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise UserError(f"checkpoint: {root / MANIFEST} is damaged (not a checkpoint manifest)") from None
+    inside = path.relative_to(root)
+    chosen = {name: info for name, info in files.items()
+              if path == root or Path(name) == inside or inside in Path(name).parents}
+    if not chosen and path.is_file():
+        raise UserError(f"checkpoint: {path} is not listed in {root / MANIFEST}")
+    for name, info in chosen.items():
+        file = root / name
+        if not file.is_file():
+            raise UserError(f"checkpoint: {file} is missing")
+        if file.stat().st_size != info["bytes"]:
+            raise UserError(f"checkpoint: {file} has {file.stat().st_size} bytes, the manifest says {info['bytes']} "
+                            "(truncated or overwritten)")
+        if _sha256(file) != info["sha256"]:
+            raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
+    return root
+
+
 def latest_checkpoint(weights_dir: Path, config_hash: str) -> Checkpoint:
     """The newest complete checkpoint; damaged newer ones are reported and skipped."""
     candidates = []

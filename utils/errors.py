@@ -5,6 +5,7 @@ Exit codes: 2 a mistake in the input (UserError), 3 a fault during training (Tra
 """
 
 import sys
+import threading
 from collections.abc import Callable
 
 
@@ -41,17 +42,38 @@ class RunStopped(Exception):
         self.exit_code = 128 + signum
 
 
-def exit_code_of(action: Callable[[], object]) -> int:
-    """Run a command-line action: 0 on success; otherwise one line on stderr, no traceback, and the exit code
-    of the error: a UserError's own, 2 for a file that cannot be read or written, 1 for anything else (a bug;
-    its traceback goes to the log at DEBUG level)."""
-    import logging
+class Interrupted(BaseException):
+    """SIGTERM / SIGHUP to a command-line tool, raised where it runs so its cleanup (finally) happens."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
+def exit_code_of(action: Callable[[], object], interrupted: str = "stopped") -> int:
+    """Run a command-line action: 0 on success; otherwise one line on stderr, no traceback, and the exit code
+    of the error: a UserError's own, 2 for a file that cannot be read or written, 128 + the signal for Ctrl-C
+    (SIGINT), SIGTERM or SIGHUP (after the action's own cleanup), 1 for anything else (a bug; its traceback
+    goes to the log at DEBUG level)."""
+    import logging
+    import signal
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         action()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"interrupted by {signal.Signals(signum).name}; {interrupted}", file=sys.stderr)
+        return 128 + signum
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""
         print(f"error: cannot read or write{where} ({exc.strerror or exc})", file=sys.stderr)
@@ -60,4 +82,7 @@ def exit_code_of(action: Callable[[], object]) -> int:
         logging.getLogger(__name__).debug("unexpected error", exc_info=True)
         print(f"error: internal error ({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
         return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
