@@ -56,8 +56,19 @@ def build_tracker(cfg: Config, run_dir: Path, resume_step: int | None = None):
     if cfg.clearml_mode != "off":
         from training_logs.clearml_tracker import ClearMLTracker
 
-        trackers.append(ClearMLTracker(cfg.project_name, cfg.task_name, cfg.to_dict(), cfg.clearml_mode,
-                                       cfg.clearml_timeout_s, run_dir, resume_step))
+        try:
+            trackers.append(ClearMLTracker(cfg.project_name, cfg.task_name, cfg.to_dict(), cfg.clearml_mode,
+                                           cfg.clearml_timeout_s, run_dir, resume_step))
+        except Exception as exc:  # e.g. an unwritable HOME: ClearML keeps its sessions in ~/.clearml
+            from utils.safe_write import why_write_failed
+
+            where = f" {exc.filename}" if isinstance(exc, OSError) and exc.filename else ""
+            problem = f"ClearML could not start ({why_write_failed(exc)}{where})"
+            if cfg.clearml_mode != "auto":
+                raise ConfigError("clearml_mode", f"{problem}; run without it with clearml_mode=off, or give it a "
+                                  "writable HOME") from None
+            log.warning("%s; this run goes on without ClearML (metrics.jsonl has every scalar); "
+                        "clearml_mode=off skips it", problem)
     if cfg.tensorboard:
         purge = resume_step + 1 if resume_step is not None else None
         trackers.append(TensorBoardTracker(run_dir / "tensorboard", purge_step=purge))

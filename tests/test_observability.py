@@ -188,3 +188,28 @@ def test_perplexity_axes_are_readable():
     readable_y(ax, [523.5, 190.2])
     assert ax.get_yscale() == "linear"
     plt.close("all")
+
+
+@pytest.mark.parametrize("mode", ["auto", "offline"])
+def test_clearml_with_an_unwritable_home_says_how_to_run_without_it(tmp_path, cache_dir, mode):
+    """HOME on a read-only file system: ClearML cannot keep its session. auto goes on without it, saying so;
+    an explicit mode stops before training with one line that names clearml_mode=off."""
+    from tests.conftest import small_filesystem
+
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    env.pop("CLEARML_CONFIG_FILE", None)
+    with small_filesystem(tmp_path / "home", 1 << 20, read_only=True):
+        proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *TINY, f"cache_dir={cache_dir}",
+                               f"log_dir={tmp_path / 'logs'}", "run_name=ro", "num_outer_steps=1",
+                               f"clearml_mode={mode}"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out
+    if mode == "auto":
+        assert proc.returncode == 0, out[-2000:]
+        assert "ClearML could not start (" in out and "this run goes on without ClearML" in out
+        assert (tmp_path / "logs" / "ro" / "summary.json").is_file()
+    else:
+        assert proc.returncode == 2
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: config key 'clearml_mode': ClearML could not start (") and \
+            "run without it with clearml_mode=off" in last, last

@@ -553,3 +553,27 @@ def test_max_tokens_is_fixed_when_it_sets_the_rampup_schedule(tiny_config):
     with pytest.raises(ConfigError, match="'rampup_tokens': cannot change when resuming"):
         resume_config(run_dir, ["num_outer_steps=2", "max_tokens=200000"], None)
     assert resume_config(run_dir, ["num_outer_steps=2"], None)[1].outer_step == 1
+
+
+def test_resuming_a_run_whose_logs_were_deleted_says_so(tiny_config):
+    run_dir, _ = train(tiny_config("run_name=gone", "num_outer_steps=2"))
+    report = run_dir / "model_training_report"
+    (report / "training_log.csv").unlink()
+    cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=3"], None)
+    train(cfg, (run_dir, checkpoint))
+    warnings = [line for line in (run_dir / "training_log.log").read_text().splitlines() if "resume: " in line]
+    assert len(warnings) == 1, warnings
+    assert f"{report / 'training_log.csv'} is missing (deleted?): the rows of outer steps 1-2 are lost" in warnings[0]
+    # a CSV that lost some rows (cut by hand) is named too
+    rows = (report / "training_log.csv").read_text().splitlines()
+    assert {r.split(",")[0] for r in rows[1:]} == {"3"}
+    cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=4"], None)
+    train(cfg, (run_dir, checkpoint))
+    last = [line for line in (run_dir / "training_log.log").read_text().splitlines() if "resume: " in line][-1]
+    assert "has no rows for outer steps 1-2" in last
+
+
+def test_a_merge_frequency_beyond_the_run_is_warned(tiny_config):
+    assert any("no merge will happen" in w for w in tiny_config("merge_frequency=5", "num_outer_steps=4").warnings())
+    assert not any("merge" in w for w in tiny_config("merge_frequency=4", "num_outer_steps=4").warnings())
+    assert not any("merge" in w for w in tiny_config("merge_frequency=5", "num_init_trainers=1").warnings())

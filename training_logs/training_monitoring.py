@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from training_logs.plots import plot_step_loss, plot_training
 from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
+log = logging.getLogger(__name__)
 COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", "loader_batch",
            "accumulation_steps", "optimizer_steps", "tokens_seen", "global_tokens", "train_loss", "val_perplexity",
            "val_accuracy", "val_loss", "next_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
@@ -35,11 +37,15 @@ TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requeste
            "accumulation_steps", "num_nodes", "tokens_seen")
 
 
-def start_csv(path: Path, columns: list[str], resume_step: int | None, always_keep=None) -> None:
+def start_csv(path: Path, columns: list[str], resume_step: int | None, always_keep=None) -> str | None:
     """A new CSV with its header, or (resume) the existing one cut back to rows of outer steps <= resume_step
-    (and rows for which always_keep(row) is true)."""
+    (and rows for which always_keep(row) is true). Returns what is wrong with the file a resume found (it
+    is missing, or was written by another version), None when it continues cleanly."""
     kept: list[list[str]] = []
-    if resume_step is not None and path.is_file():
+    problem = None
+    if resume_step is not None and resume_step > 0 and not path.is_file():
+        problem = "is missing (deleted?)"
+    elif resume_step is not None and path.is_file():
         with path.open(newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
@@ -47,12 +53,15 @@ def start_csv(path: Path, columns: list[str], resume_step: int | None, always_ke
                 kept = [row for row in reader  # a row torn by a crash (too short) is dropped too
                         if len(row) == len(columns) and row[0].isdigit()
                         and (int(row[0]) <= resume_step or (always_keep is not None and always_keep(row)))]
+            else:
+                problem = "has other columns than this version writes"
     tmp = path.with_name(f".{path.name}.tmp")
     with tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         writer.writerows(kept)
     os.replace(tmp, path)
+    return problem
 
 
 def cut_jsonl(path: Path, resume_step: int) -> None:
@@ -71,6 +80,16 @@ def cut_jsonl(path: Path, resume_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    parts, start = [], steps[0]
+    for prev, cur in zip(steps, [*steps[1:], None]):
+        if cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)
+
+
 class TrainingLogger:
     def __init__(self, report_dir: Path, tracker: Tracker, memory: MemoryMonitor, metric: str = "val_perplexity",
                  higher_is_better: bool = False, resume_step: int | None = None) -> None:
@@ -82,7 +101,15 @@ class TrainingLogger:
         self.fault_path = report_dir / "fault_events.csv"
         self._lock = threading.Lock()
         for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
-            start_csv(path, columns, resume_step)
+            problem = start_csv(path, columns, resume_step)
+            if problem is None and path == self.csv_path and resume_step:
+                steps = {row["outer_step"] for row in csv.DictReader(path.open(newline=""))}
+                missing = [k for k in range(1, resume_step + 1) if str(k) not in steps]
+                if missing:
+                    problem = f"has no rows for outer steps {_ranges(missing)}"
+            if problem:
+                log.warning("resume: %s %s: the rows of outer steps 1-%d are lost, so this log and its plots "
+                            "disagree with summary.json, which counts the whole run", path, problem, resume_step)
         # a fault that stopped the run is why it was resumed: its record stays
         start_csv(self.fault_path, FAULT_COLUMNS, resume_step, lambda row: row[FAULT_COLUMNS.index("action")] == "stop")
         self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv", resume_step)

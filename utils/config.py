@@ -291,6 +291,9 @@ class Config:
                 out.append(f"variance_estimator 'nodes': trainers {' '.join(map(str, alone))} start with one node, so "
                            "they have one gradient sample and their batch cannot grow until a merge gives them a "
                            "second node (variance_estimator: micro_batches works with one node)")
+        if self.num_init_trainers > 1 and self.merge_frequency > self.num_outer_steps:
+            out.append(f"merge_frequency {self.merge_frequency} is larger than num_outer_steps {self.num_outer_steps}: "
+                       "no merge will happen (merge_frequency: 0 says that on purpose)")
         return out
 
     @property
