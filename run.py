@@ -79,6 +79,27 @@ def build_tracker(cfg: Config, run_dir: Path, resume_step: int | None = None):
 # Before any data work: devices, model limits
 
 
+def request_cpu_kernels(cfg: Config) -> None:
+    """torch picks its CPU kernels once, at its first operation: the choice must be in the environment before."""
+    if cfg.cpu_capability != "auto":
+        os.environ["ATEN_CPU_CAPABILITY"] = cfg.cpu_capability
+
+
+def resolve_cpu_kernels(cfg: Config) -> Config:
+    """The kernels and threads this process really uses; config.yaml then records them, so a plain --resume
+    uses the same ones. A capability this CPU (or this already started process) cannot give is refused."""
+    import torch
+
+    actual = torch.backends.cpu.get_cpu_capability().lower()
+    if cfg.cpu_capability not in ("auto", actual):
+        raise ConfigError("cpu_capability", f"'{cfg.cpu_capability}' is not what torch uses in this process "
+                          f"('{actual}'): this CPU lacks it, or torch started before it was set (set "
+                          f"ATEN_CPU_CAPABILITY={cfg.cpu_capability} before Python starts)")
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    return cfg.replace(cpu_capability=actual)
+
+
 def check_devices(cfg: Config) -> None:
     import torch
 
@@ -152,6 +173,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     if env is not None:
         torchrun.check(cfg, env)
     check_devices(cfg)
+    request_cpu_kernels(cfg)  # for direct callers; main() has done it before torch was imported
+    cfg = resolve_cpu_kernels(cfg)
     check_before_work(cfg, resuming=resume is not None)  # model, data paths, run_name: before any data work
     # Heavy imports after validation, so config errors come back instantly.
     from cluster import ClusterController
@@ -202,6 +225,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
             log.info("run directory: %s", run_dir)
         if env is not None:
             log.info("torchrun: %d processes, this is rank %d (node %d)", env.world_size, env.rank, env.rank)
+        log.info("cpu kernels: %s, %d threads (cpu_capability, cpu_threads; the last digits of a run depend on them)",
+                 cfg.cpu_capability, _threads())
         for warning in cfg.warnings():
             log.warning("config: %s", warning)
         set_seeds(cfg.training_seed)
@@ -230,6 +255,7 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         summary = cluster.train()
         if stop.requested:
             log.warning("%s arrived during the final checkpoint; the run is complete", stop.name)
+        summary["cpu_kernels"] = {"capability": cfg.cpu_capability, "threads": _threads()}
         logger.finish(summary)
         if writes:  # while the lock is held: nothing of this run is written after another may take the directory
             write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -265,6 +291,12 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         if env is not None:
             torchrun.finish()
     return run_dir, summary
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def plural(n: int, noun: str) -> str:
@@ -327,15 +359,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             run_dir = Path(args.resume).expanduser()
             cfg, checkpoint = resume_config(run_dir, args.overrides, args.config)
+            request_cpu_kernels(cfg)
             train(cfg, (run_dir, checkpoint), stop)
         else:
             from distributed.torchrun import restarted_run
 
             cfg = load_config(args.config or "config.yaml", args.overrides)
+            request_cpu_kernels(cfg)
             run_dir = restarted_run(cfg.log_dir)  # torchrun --max-restarts: continue where the group died
             if run_dir is not None:
                 print(f"torchrun restarted the processes: resuming {run_dir}", file=sys.stderr)
                 cfg, checkpoint = resume_config(run_dir, [], None)
+                request_cpu_kernels(cfg)
                 train(cfg, (run_dir, checkpoint), stop)
             else:
                 train(cfg, None, stop)

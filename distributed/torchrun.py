@@ -90,9 +90,11 @@ def init(cfg: Config, env: DistEnv) -> None:
     _STORE = dist.PrefixStore(f"adloco/attempt_{attempt}/arrivals", store)
 
 
-# Keys that may differ between machines: where each keeps its files. Whether the data they lead to is
-# the same is checked apart (agree_on_data).
-PER_MACHINE_KEYS = frozenset({"cache_dir", "c4_local_path", "c4_tokenized_path", "imdb_local_path", "log_dir"})
+# Keys that may differ between machines: where each keeps its files (whether the data they lead to is the
+# same is checked apart, agree_on_data), and the CPU kernels and threads each machine's CPU offers (each
+# rank logs its own; they change last digits, not decisions, which are taken from all-reduced values).
+PER_MACHINE_KEYS = frozenset({"cache_dir", "c4_local_path", "c4_tokenized_path", "imdb_local_path", "log_dir",
+                              "cpu_capability", "cpu_threads"})
 
 
 def _ranks(ranks: list[int]) -> str:

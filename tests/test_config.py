@@ -106,3 +106,40 @@ def test_readme_quotes_config_yaml_values_truly():
     assert len(quoted) >= 3
     for key, value in quoted:
         assert values[key] == yaml.safe_load(value), key
+
+
+def test_cpu_kernels_are_chosen_before_torch_starts_and_recorded(tmp_path, cache_dir):
+    """cpu_capability=avx2 reaches torch through the environment before its first operation; config.yaml,
+    the log and summary.json say which kernels and threads made the run; a capability torch does not use
+    is refused in one line."""
+    import json
+    import os
+
+    import torch
+    import yaml
+
+    from tests.conftest import TINY
+
+    args = [sys.executable, str(ROOT / "run.py"), *TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path}",
+            "num_outer_steps=1", "cpu_threads=1"]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    proc = subprocess.run([*args, "run_name=avx2", "cpu_capability=avx2"], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_dir = tmp_path / "avx2"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["cpu_capability"] == "avx2"
+    assert json.loads((run_dir / "summary.json").read_text())["cpu_kernels"] == {"capability": "avx2", "threads": 1}
+    assert "cpu kernels: avx2, 1 threads" in (run_dir / "training_log.log").read_text()
+    # auto records what this CPU gives
+    proc = subprocess.run([*args, "run_name=auto"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    best = torch.backends.cpu.get_cpu_capability().lower() if "ATEN_CPU_CAPABILITY" not in os.environ else None
+    recorded = yaml.safe_load((tmp_path / "auto" / "config.yaml").read_text())["cpu_capability"]
+    assert recorded in ("default", "avx2", "avx512") and (best is None or recorded == best)
+    # a capability that this (already started) process does not use: refused before any work
+    from run import train
+
+    other = "default" if torch.backends.cpu.get_cpu_capability().lower() != "default" else "avx2"
+    with pytest.raises(ConfigError, match=f"'cpu_capability': '{other}' is not what torch uses in this process"):
+        train(load_config(ROOT / "config.yaml", [*TINY, f"log_dir={tmp_path}", f"cpu_capability={other}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auto", "avx2"]

@@ -64,7 +64,8 @@ def test_tiny_run_end_to_end(tiny_config):
     before = {r["trainer_id"]: float(r["val_perplexity"]) for r in rows if r["outer_step"] == "2"}
     assert merge["metric_before"].split() == [f"{before[merge['survivor']]:.6g}", f"{before[merge['merged']]:.6g}"]
     assert merge["metric"] == "val_perplexity" and float(merge["bytes"]) == p
-    assert summary["best_metric_seen"] <= min(float(r["val_perplexity"]) for r in rows[2:])
+    # the CSV holds 6 significant digits, summary.json the full float: compare within the CSV's rounding
+    assert summary["best_metric_seen"] <= min(float(r["val_perplexity"]) for r in rows[2:]) * (1 + 5e-6)
     # the final model opens with plain transformers and gives the logged perplexity
     model = LlamaForCausalLM.from_pretrained(run_dir / "model_weights" / "final" / "final_model")
     ppl = Evaluator(model, data.val, 8, "cpu").evaluate().perplexity

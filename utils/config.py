@@ -76,6 +76,12 @@ class Config:
                             "or auto (the nodes' GPU when every node of this process is on the same CUDA device, as in "
                             "the paper's one-GPU simulation and under torchrun; otherwise cpu).",
                             choices=("auto", "cpu"))
+    cpu_capability: str = _f("auto", "CPU kernels torch uses (ATEN_CPU_CAPABILITY): auto (the best this CPU has; "
+                             "config.yaml records which), or default, avx2, avx512. The last digits of a run depend on "
+                             "it; the README's numbers were made with avx2.",
+                             choices=("auto", "default", "avx2", "avx512"))
+    cpu_threads: int = _f(0, "torch's intra-op threads on CPU (torch.set_num_threads); 0 = torch's default (one per "
+                          "core). Recorded in the run log and summary.json.", min=0)
     compile: bool = _f(False, "torch.compile each node's model replica once (the first steps of a run, and of "
                        "each new batch shape, pay the compile time; needs sequential nodes in one process).")
     log_batch_statistics: bool = _f(True, "With a batch schedule that ignores them (constant, linear_rampup): still "
@@ -330,7 +336,7 @@ RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
     "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
     "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
-    "dist_timeout_s", "keep_checkpoints",
+    "dist_timeout_s", "keep_checkpoints", "cpu_capability", "cpu_threads",
 })
 
 
