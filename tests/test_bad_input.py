@@ -200,12 +200,14 @@ def test_unexpected_errors_are_one_line_with_the_traceback_in_the_log(tiny_confi
 # Memory probe
 
 
-def test_default_device_memory_shares_half_the_available_memory(monkeypatch):
+def test_default_device_memory_shares_half_the_available_memory_up_to_a_bound(monkeypatch):
     import utils.max_batch_calculator as mbc
 
     memory = namedtuple("memory", "available total")
-    monkeypatch.setattr(mbc.psutil, "virtual_memory", lambda: memory(8 << 30, 64 << 30))
-    assert mbc.default_device_memory_mb(2) == 2048.0
+    monkeypatch.setattr(mbc.psutil, "virtual_memory", lambda: memory(2 << 30, 64 << 30))
+    assert mbc.default_device_memory_mb(2) == 512.0  # half of 2 GiB available, over 2 devices
+    monkeypatch.setattr(mbc.psutil, "virtual_memory", lambda: memory(48 << 30, 64 << 30))
+    assert mbc.default_device_memory_mb(2) == 1024.0  # a big machine: bounded, so no-key runs stay laptop-sized
     assert load_config(ROOT / "config.yaml", ["device_memory_mb=0"]).device_memory_mb == 0.0
 
 

@@ -90,8 +90,8 @@ class Config:
     padding_percentage: float = _f(0.9, "Fraction of a device's memory budget usable by its nodes "
                                    "(safety margin of the max-batch probe).", min=0.05, max=1.0)
     device_memory_mb: float = _f(0.0, "Memory of one simulated CPU device in MiB for the max-batch probe "
-                                 "(0 = half the memory available at start, shared by the CPU devices). Ignored on "
-                                 "CUDA, where the real free memory is used.", min=0.0)
+                                 "(0 = half the memory available at start, shared by the CPU devices, at most "
+                                 "1024 MiB each). Ignored on CUDA, where the real free memory is used.", min=0.0)
     max_batch_size: int = _f(0, "Largest micro-batch per node; 0 = find it with the memory probe.", min=0)
     # --- data ---
     dataset: str = _f("embedded", "Training data. embedded = English text shipped in the exllamav2 wheel (no Hub "

@@ -96,9 +96,15 @@ def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int
     return _binary_search(fits, upper)
 
 
+# device_memory_mb 0 on CPU: a laptop-safe size. Each node's batches grow up to what its share allows, so a
+# budget sized from a big machine's free memory would let a run with no config keys take tens of GB.
+DEFAULT_CPU_DEVICE_MB = 1024.0
+
+
 def default_device_memory_mb(num_cpu_devices: int) -> float:
-    """device_memory_mb 0: half the memory available now, shared by the simulated CPU devices."""
-    return 0.5 * psutil.virtual_memory().available / MiB / max(num_cpu_devices, 1)
+    """device_memory_mb 0: half the memory available now, shared by the simulated CPU devices, and at most
+    DEFAULT_CPU_DEVICE_MB per device."""
+    return min(0.5 * psutil.virtual_memory().available / MiB / max(num_cpu_devices, 1), DEFAULT_CPU_DEVICE_MB)
 
 
 def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, device: str,
