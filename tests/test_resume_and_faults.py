@@ -383,6 +383,11 @@ def test_a_run_keeps_its_newest_checkpoints_and_resumes_from_them(tiny_config):
     cfg = tiny_config("run_name=keep", "num_outer_steps=5", "save_weights_every=1", "keep_checkpoints=2")
     run_dir, _ = train(cfg)
     assert sorted(p.name for p in (run_dir / "model_weights").iterdir()) == ["final", "outer_step_0004"]
+    # its size is what the README's formula says (headers, RNG states and counters aside)
+    from benchmarks.checkpoint_size import measure
+
+    for row in measure(run_dir):
+        assert 1.0 <= row["ratio"] < 1.01, row
     cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=7"], None)
     assert checkpoint.path.name == "final"
     _, summary = train(cfg, (run_dir, checkpoint))

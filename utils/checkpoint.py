@@ -165,6 +165,14 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
     return target
 
 
+def expected_checkpoint_bytes(params: int, trainers: int, nodes: int, outer_momentum: bool, final: bool = False) -> int:
+    """The tensor bytes of one checkpoint (README: "What a checkpoint holds"): per trainer its fp32 masters
+    (4P) and, with outer momentum, its momentum buffer (4P); per node its AdamW moments (8P); final adds the
+    chosen model as a Hugging Face directory (4P). Headers, RNG states and counters add a few KB."""
+    units = trainers * (2 if outer_momentum else 1) + 2 * nodes + (1 if final else 0)
+    return 4 * params * units
+
+
 def prune_checkpoints(weights_dir: Path, keep: int, newest: Path) -> list[Path]:
     """keep_checkpoints: after `newest` was written, keep the newest `keep` complete checkpoints (0 = all).
 
