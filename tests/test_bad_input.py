@@ -345,3 +345,31 @@ def test_imdb_without_a_local_copy_gives_imdb_advice(tiny_config, monkeypatch):
     with pytest.raises(DataError, match="set imdb_local_path to a copy of stanfordnlp/imdb") as err:
         load_imdb_splits(tiny_config("model_type=bert", "dataset=imdb", "model_config.name=bert-tiny"))
     assert "c4" not in str(err.value)
+
+
+def test_the_cpu_probe_frees_what_it_measured(tiny_config):
+    """Every activation a probe pass saw is freed when the pass ends: a leaked pass at the budget used to
+    keep the whole budget alive (an autograd cycle no collector frees), so a big budget grew RSS by GBs."""
+    import weakref
+
+    import torch
+
+    from fabrics.models import build_model
+    from utils.max_batch_calculator import _activation_bytes
+
+    model = build_model(tiny_config(), 512, 1)
+    model.train()
+    outputs = []
+
+    def keep(module, args, output):
+        for t in output if isinstance(output, tuple) else (output,):
+            if isinstance(t, torch.Tensor):
+                outputs.append(weakref.ref(t))
+
+    handles = [m.register_forward_hook(keep) for m in model.modules() if not list(m.children())]
+    assert _activation_bytes(model, 32, 4) > 0
+    for h in handles:
+        h.remove()
+    assert len(outputs) > 10
+    alive = [r for r in outputs if r() is not None]
+    assert alive == []

@@ -61,7 +61,9 @@ def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        # detached: a hook that returns a saved output itself ties it to its own grad_fn in a cycle that no
+        # collector frees (each probe pass at the budget leaked the whole budget)
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(**_batch(model, seq_len, batch, "cpu"))
