@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:
 
 from utils.checkpoint import MANIFEST, expected_checkpoint_bytes  # noqa: E402
 from utils.config import load_config  # noqa: E402
+from utils.errors import UserError, exit_code_of  # noqa: E402
 
 
 def preset_parameters(name: str, vocab_size: int | None = None) -> int:
@@ -40,6 +41,8 @@ def preset_parameters(name: str, vocab_size: int | None = None) -> int:
 
 
 def measure(run_dir: Path) -> list[dict]:
+    if not (run_dir / "summary.json").is_file():
+        raise UserError(f"{run_dir}: no summary.json (not a finished run directory)")
     cfg = load_config(run_dir / "config.yaml")
     params = json.loads((run_dir / "summary.json").read_text())["weight_bytes"] // 4
     rows = []
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="*", type=Path, help="finished run directories to measure")
     p.add_argument("--predict", action="append", default=[], metavar="MODEL:TRAINERS:NODES[:VOCAB]")
     args = p.parse_args(argv)
+    return exit_code_of(lambda: report(args))
+
+
+def report(args) -> None:
     print("| run | checkpoint | model | parameters | trainers | nodes | on disk | formula | on disk / formula |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run_dir in args.runs:
@@ -72,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         size = expected_checkpoint_bytes(params, int(trainers), int(nodes), outer_momentum=False)
         print(f"| (predicted) | outer_step_NNNN | {name} | {params / 1e6:.2f}M | {trainers} | {nodes} | "
               f"{size / 1e9:.2f} GB | {size / 1e9:.2f} GB | formula |")
-    return 0
 
 
 if __name__ == "__main__":
