@@ -150,8 +150,15 @@ WHERE_KEYS = frozenset({"log_dir", "cache_dir", "run_name"})
 
 
 def resolved(config_path: str | Path, overrides: list[str]) -> dict:
-    """The config a run.py command line resolves to, without the keys that only place files."""
-    return {k: v for k, v in load_config(config_path, overrides).to_dict().items() if k not in WHERE_KEYS}
+    """The config a run.py command line resolves to, as its config.yaml records it (cpu_capability auto:
+    the kernels torch uses here, which the harness's children inherit), without the keys that only place
+    files."""
+    values = {k: v for k, v in load_config(config_path, overrides).to_dict().items() if k not in WHERE_KEYS}
+    if values.get("cpu_capability") == "auto":
+        import torch
+
+        values["cpu_capability"] = torch.backends.cpu.get_cpu_capability().lower()
+    return values
 
 
 def config_changes(run_dir: Path, wanted: dict) -> list[str]:

@@ -100,8 +100,11 @@ def assert_same_decisions(expected_dir, got_dir):
                 if key in ("nodes", "merged", "survivor", "weights", "requested_batches", "requested_batch",
                            "next_requested_batch", "loader_batch", "accumulation_steps", "trainer_id", "outer_step"):
                     assert e[key] == g[key], (name, key)
-                elif e[key] != g[key]:
-                    assert float(g[key]) == pytest.approx(float(e[key]), rel=1e-4), (name, key)
+                elif e[key] != g[key]:  # numbers, or space-separated lists of them (metric_before)
+                    expected_values, got_values = e[key].split(), g[key].split()
+                    assert len(expected_values) == len(got_values), (name, key)
+                    assert [float(v) for v in got_values] == pytest.approx([float(v) for v in expected_values],
+                                                                            rel=1e-4), (name, key)
 
 
 @pytest.fixture(scope="module")
@@ -257,16 +260,21 @@ def test_machines_with_different_data_stop_naming_it(tmp_path, cache_dir):
     entry under the same key): the data fingerprints differ and every rank stops saying so."""
     import shutil
 
-    subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *RUN, f"cache_dir={cache_dir}",
+    from fabrics.dataset_loader import fetch_wheel
+
+    mine = tmp_path / "cache"  # a cache of this run's data alone: one packed entry
+    (mine / "wheels").mkdir(parents=True)
+    shutil.copy(fetch_wheel(cache_dir), mine / "wheels")
+    subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *RUN, f"cache_dir={mine}",
                     f"log_dir={tmp_path / 'warm'}", "num_outer_steps=1"], cwd=ROOT, capture_output=True, timeout=600)
     other = tmp_path / "other_cache"
-    shutil.copytree(cache_dir, other)
+    shutil.copytree(mine, other)
     (entry,) = (other / "packed").glob("*.pt")
     stored = torch.load(entry, weights_only=True)
     ids, mask = stored["train"]
     stored["train"] = (ids.roll(1, dims=0), mask.roll(1, dims=0))  # the same sequences, another order
     torch.save(stored, entry)
-    ended = _two_machines(tmp_path, [f"cache_dir={cache_dir}"], [f"cache_dir={other}"], "mixed_data")
+    ended = _two_machines(tmp_path, [f"cache_dir={mine}"], [f"cache_dir={other}"], "mixed_data")
     for err, code in ended:
         assert code != 0
         lines = [x for x in err.splitlines() if x.startswith("error:")]

@@ -75,7 +75,7 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> tuple
             if path.is_dir() and any(path.iterdir()):
                 stub = RunLock(path).acquire()  # a live run keeps its directory; the lock moves with it
                 try:
-                    problem = refused_run_name(path)  # it may have written a checkpoint before we locked
+                    problem = refused_run_name(path, held=True)  # it may have written a checkpoint before we locked
                     if problem:
                         raise UserError(problem)
                     aside = _unique(root / f"{run_name}.failed_{stamp}")
@@ -99,14 +99,14 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> tuple
         raise UserError(f"log_dir: cannot create a run directory in {root} ({exc.strerror or exc})") from None
 
 
-def refused_run_name(path: Path) -> str | None:
-    """Why a named run directory cannot be used for a new run (None: it can)."""
+def refused_run_name(path: Path, held: bool = False) -> str | None:
+    """Why a named run directory cannot be used for a new run (None: it can). held: this process holds its lock."""
     from utils.checkpoint import MANIFEST
 
     if path.exists() and not path.is_dir():
         return f"run_name: {path} exists and is not a directory"
     if path.is_dir() and any(path.iterdir()):
-        holder = in_use(path)
+        holder = None if held else in_use(path)
         if holder:
             return f"run_name: run directory {path} is in use by {holder}; choose another run_name or wait"
         if any((path / "model_weights").glob(f"*/{MANIFEST}")):
