@@ -378,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit):
             raise
         _, code, line = ending_of(exc, resuming=args.resume)
-        print(line, file=sys.stderr)
+        # one write: under torchrun several processes end at once on one terminal, and print() writes the
+        # text and the newline apart, so their lines could run together
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
         return code
     return 0
 
