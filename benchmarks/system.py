@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import statistics
 import sys
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner-steps", type=int, default=20, help="H of the cluster rounds of (b)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown", help="append the tables to this file")
+    ap.add_argument("--json", help="write the numbers to this file (as benchmarks.gpu_check reads them)")
     args = ap.parse_args(argv)
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -257,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                                               f"precision={precision}", f"compile={str(compiled).lower()}"])
     e2e = times["tokens"] / times["total"]
     loop = inner[first]["tokens"] / inner[first]["engine_s"]
+    numbers = {"device": where, "preset": args.preset, "seq_len": cfg.seq_len, "batch": args.batch,
+               "parameters": count_parameters(model),
+               "inner": {v: {"engine_s": r["engine_s"], "plain_s": r["plain_s"], "engine_over_plain": r["ratio"],
+                             "tokens_per_s": r["tokens"] / r["engine_s"]} for v, r in inner.items()},
+               "end_to_end": {"variant": first, "tokens_per_s": e2e, "over_node_loop": e2e / loop}}
     rest = times["total"] - times["round"] - times["outer"] - times["merge"] - times["eval"]
     out.append(table(f"(b) Cluster rounds ({first}, 2 nodes, H = {args.inner_steps}, 3 outer steps, a merge after "
                      "each): where the time goes, and end-to-end tokens/s against the bare node loop",
@@ -282,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         sheet = datasheet_peak(device, name)
         rows.append([v, str(dtype).replace("torch.", ""), peak / 1e9, achieved / 1e9, achieved / peak,
                      f"{achieved / sheet:.3f}" if sheet else "-"])
+        numbers["inner"][v].update(achieved_flops=achieved, measured_peak_flops=peak,
+                                   mfu_datasheet=achieved / sheet if sheet else None)
     out.append(table("(d) Achieved training FLOP/s of (a) vs the matmul peak measured in the variant's dtype "
                      "(and the datasheet's dense peak, where known)",
                      ["variant", "matmul dtype", "matmul peak GFLOP/s", "engine GFLOP/s", "fraction of measured peak",
@@ -291,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(numbers, indent=2))
     return 0
 
 

@@ -49,15 +49,26 @@ def check(cfg: Config, env: DistEnv) -> None:
 
 
 def device_of(cfg: Config, env: DistEnv) -> str:
-    """Rank r runs node r on its configured device; a CUDA node uses the GPU of its local rank."""
+    """Rank r runs node r on its configured device; a CUDA node uses the GPU of its local rank (modulo the
+    GPUs this machine has: more processes than GPUs share them, e.g. 2 processes on one GPU)."""
     device = cfg.devices[env.rank // cfg.nodes_per_gpu]
-    return f"cuda:{env.local_rank}" if device.startswith("cuda") else "cpu"
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return f"cuda:{env.local_rank % max(torch.cuda.device_count(), 1)}"
+
+
+def backend_of(cfg: Config, env: DistEnv) -> str:
+    """dist_backend: auto = NCCL for CUDA nodes, gloo for CPU ones."""
+    if cfg.dist_backend != "auto":
+        return cfg.dist_backend
+    return "nccl" if device_of(cfg, env).startswith("cuda") else "gloo"
 
 
 def comm_device(cfg: Config, env: DistEnv) -> str:
-    """Where collectives' tensors live: NCCL reduces CUDA tensors, gloo CPU ones."""
-    device = device_of(cfg, env)
-    return device if device.startswith("cuda") else "cpu"
+    """Where collectives' tensors live: NCCL reduces CUDA tensors, gloo CPU ones (copied from the GPU)."""
+    return device_of(cfg, env) if backend_of(cfg, env) == "nccl" else "cpu"
 
 
 _STORE = None  # this attempt's store: ranks mark their arrival at collectives in it
@@ -73,10 +84,10 @@ def init(cfg: Config, env: DistEnv) -> None:
 
     global _STORE
     device = device_of(cfg, env)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = backend_of(cfg, env)
     if dist.is_initialized():
         return
-    if backend == "nccl":  # object collectives and NCCL communicators use the current device
+    if device.startswith("cuda"):  # object collectives and NCCL communicators use the current device
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
     # A store prefix per restart: after torchrun restarts the group, keys the dead processes wrote (their

@@ -57,3 +57,28 @@ def small_filesystem(path: Path, size_bytes: int, copy_in: dict[str, Path] | Non
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cuda marker: tests of the CUDA paths. Without a CUDA device they are deselected, and the run says so
+# in its summary (a deselection, not a silent skip); python -m benchmarks.gpu_check runs them on a GPU.
+
+_DESELECTED_CUDA: list = []
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda:
+        _DESELECTED_CUDA.extend(cuda)
+        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+        config.hook.pytest_deselected(items=cuda)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _DESELECTED_CUDA:
+        terminalreporter.write_line(f"deselected {len(_DESELECTED_CUDA)} CUDA tests (marker cuda): no CUDA device "
+                                    "here; python -m benchmarks.gpu_check runs them on a GPU")

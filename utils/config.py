@@ -185,6 +185,9 @@ class Config:
     inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.")
     memory_sample_interval_s: float = _f(0.05, "How often the memory monitor samples RSS during a round.",
                                          min=0.001, max=60.0)
+    dist_backend: str = _f("auto", "Under torchrun: the collectives' backend. auto = nccl for CUDA nodes, gloo for CPU "
+                           "ones; gloo with CUDA nodes copies the collectives' tensors to the host (for several "
+                           "processes on one GPU, which NCCL refuses).", choices=("auto", "nccl", "gloo"))
     dist_timeout_s: float = _f(600.0, "Under torchrun: seconds a collective may wait for the other processes "
                                "before the run ends with one line naming the rank that did not arrive (hung or dead).",
                                min=1.0)
@@ -212,6 +215,8 @@ class Config:
                 raise ConfigError("devices", f"'{device}' is not cpu, cuda or cuda:N")
         if self.precision == "tf32" and not any(d.startswith("cuda") for d in self.devices):
             raise ConfigError("precision", "tf32 is a CUDA matmul mode; on CPU use fp32 (or bf16)")
+        if self.dist_backend == "nccl" and not any(d.startswith("cuda") for d in self.devices):
+            raise ConfigError("dist_backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
         if self.compile and self.node_execution == "threads":
             raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
                               "(or torchrun, one node per process)")
@@ -336,7 +341,7 @@ RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
     "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
     "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
-    "dist_timeout_s", "keep_checkpoints", "cpu_capability", "cpu_threads",
+    "dist_timeout_s", "keep_checkpoints", "cpu_capability", "cpu_threads", "dist_backend",
 })
 
 

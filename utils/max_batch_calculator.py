@@ -122,14 +122,24 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
     log.info("%s: %.1f GiB total, %.1f GiB free, budget per node %.2f GiB", device, total / 2**30, free / 2**30,
              budget / 2**30)
 
+    peaks: dict[int, int] = {}  # batch -> measured peak above base
+
+    def predicted(b: int) -> float:
+        """Peaks grow linearly with the batch: the line through batches 1 and 2 (0 before both are known)."""
+        if 1 not in peaks or 2 not in peaks:
+            return 0.0
+        return peaks[1] + (peaks[2] - peaks[1]) * (b - 1)
+
     def fits(b: int) -> bool:
+        if predicted(b) > budget:  # never run what the line puts over the budget (as on CPU)
+            return False
         try:
             torch.cuda.reset_peak_memory_stats(dev)
             probe(**_batch(probe, seq_len, b, device)).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            peak = torch.cuda.max_memory_allocated(dev) - base
-            return peak <= budget
+            peaks[b] = torch.cuda.max_memory_allocated(dev) - base
+            return peaks[b] <= budget
         except torch.cuda.OutOfMemoryError:
             opt.zero_grad(set_to_none=True)
             return False

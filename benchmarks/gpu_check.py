@@ -1,0 +1,323 @@
+"""One command that exercises every CUDA path on a GPU and records what it saw.
+
+    python -m benchmarks.gpu_check [--minutes 8] [--out DIR] [--only STEP,...]
+
+On the first CUDA device, within --minutes, each step runs as its own process (a crash in one is
+recorded and the next still runs), timed, its result written to DIR/gpu_check.json and a short
+DIR/gpu_check.md after every step (and printed at the end):
+
+  facts        GPU name and memory, driver, torch and CUDA versions, which packages are missing
+  cuda_tests   pytest -m cuda: the tests of the CUDA paths (tests/test_cuda.py)
+  run_fp32     run.py end to end on cuda (merges, batch growth, accumulation), fp32
+  run_bf16     the same in bf16 autocast, against fp32
+  run_threads  the same with node_execution: threads, 4 nodes on one GPU, against the sequential run
+  torchrun     torchrun --standalone --nproc-per-node 2 on one GPU with NCCL (gloo with CUDA nodes if NCCL
+               refuses two processes on one device), against the simulated cluster on the same GPU
+  system       benchmarks.system --device cuda, microllama-300m at seq 512, fp32 / tf32 / bf16 /
+               bf16+compile: tokens/s, MFU, engine vs plain loop, run.py rounds vs the node loop
+
+Targets (checked, and reported as met or not): the engine's node loop >= 0.9x a plain bf16 + compile loop,
+300M MFU >= 40% in bf16 + compile, run.py end to end >= 0.85x the node loop.
+
+Needs the packages of requirements.txt except clearml and tensorboard (tracking is off), and the
+embedded corpus wheel in cache_dir or at ADLOCO_EXLLAMAV2_WHEEL: nothing is downloaded (the steps run
+with pip and the Hugging Face Hub offline). Without CUDA it exits 2 with one line, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# run.py on a GPU: a tiny model, 4 trainers on 4 nodes of one GPU, merges every 2 steps, batches that grow
+# past the max batch of 2 (accumulation): every mechanism inside one short run
+RUN = ["devices=[cuda]", "nodes_per_gpu=4", "num_init_trainers=4", "num_outer_steps=6", "num_inner_steps=4",
+       "seq_len=64", "val_size=8", "eval_batch_size=8", "initial_batch_size=3", "max_batch_size=2", "ETA=0.3",
+       "max_requested_batch=8", "merge_frequency=2", "save_weights_every=0", "plot_every=6", "tokenizer=bpe",
+       "tokenizer_vocab_size=512", "embedded_sources=[tiny]", "clearml_mode=off"]
+TORCHRUN = [o for o in RUN if not o.startswith(("nodes_per_gpu", "num_init_trainers"))] + [
+    "nodes_per_gpu=2", "num_init_trainers=2"]
+TARGETS = {  # name -> (what, threshold)
+    "engine_over_plain_bf16_compile": ("engine node loop / plain loop, bf16 + compile", 0.9),
+    "mfu_bf16_compile": ("microllama-300m MFU, bf16 + compile (datasheet peak)", 0.40),
+    "end_to_end_over_node_loop": ("run.py rounds / node loop tokens/s", 0.85),
+}
+REQUIRED = {"torch": "everything", "transformers": "models", "tokenizers": "tokenizers", "datasets": "data loading",
+            "safetensors": "checkpoints", "yaml": "config", "matplotlib": "plots", "psutil": "memory monitor",
+            "tqdm": "progress bars", "pytest": "cuda_tests", "clearml": "not needed (clearml_mode=off)",
+            "tensorboard": "not needed (tensorboard: false)"}
+
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    max_s: float
+    ok: bool | None = None  # None: not run
+    seconds: float = 0.0
+    detail: dict = field(default_factory=dict)
+    error: str = ""
+
+
+def last_error_line(text: str) -> str:
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    errors = [x for x in lines if x.startswith("error:") or re.match(r"^\w+(Error|Exception)\b", x)]
+    return (errors or lines or ["no output"])[-1][:400]
+
+
+class Runner:
+    """Runs the steps' processes within the budget; writes each one's output to DIR/logs/<name>.log."""
+
+    def __init__(self, out: Path, deadline: float) -> None:
+        self.out, self.deadline = out, deadline
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false"}
+
+    def __call__(self, name: str, cmd: list[str], limit: float) -> tuple[int, str]:
+        timeout = max(1.0, min(limit, self.deadline - time.time()))
+        log = self.out / "logs" / f"{name}.log"
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=self.env)
+            text, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            text += f"\nerror: timed out after {timeout:.0f} s (budget)"
+            code = 124
+        log.write_text(text)
+        return code, text
+
+
+def machine_facts() -> dict:
+    import torch
+
+    facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+             "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+             "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+             "host": platform.node(), "cpus": os.cpu_count()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        facts["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        facts["driver"] = None
+    facts["missing_packages"] = {name: use for name, use in REQUIRED.items() if importlib.util.find_spec(name) is None}
+    return facts
+
+
+def summary_of(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {k: summary[k] for k in ("final_metric", "merges", "batch_increases", "accumulation_used", "wall_time_s",
+                                    "tokens_seen")}
+
+
+def rows_of(run_dir: Path) -> list[dict]:
+    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_batch", "accumulation_steps",
+             "next_requested_batch")
+
+
+def compare_runs(a: Path, b: Path, rel: float) -> dict:
+    """Decisions identical? Largest relative difference of val_perplexity."""
+    ra, rb = rows_of(a), rows_of(b)
+    same = len(ra) == len(rb) and all(x[k] == y[k] for x, y in zip(ra, rb) for k in DECISIONS)
+    worst = max((abs(float(x["val_perplexity"]) - float(y["val_perplexity"])) / float(x["val_perplexity"])
+                 for x, y in zip(ra, rb)), default=0.0)
+    return {"same_decisions": same, "max_rel_perplexity_difference": worst, "within": worst <= rel}
+
+
+def run_step(step: Step, run, out: Path, python: str) -> None:
+    runs = out / "runs"
+    if step.name == "cuda_tests":
+        code, text = run(step.name, [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                     "tests"], step.max_s)
+        counts = re.findall(r"(\d+) (passed|failed|error|errors|deselected)", text)
+        step.detail = {kind: int(n) for n, kind in counts}
+        step.ok = code == 0 and step.detail.get("passed", 0) > 0
+    elif step.name.startswith("run_"):
+        precision = "bf16" if step.name == "run_bf16" else "fp32"
+        extra = ["node_execution=threads"] if step.name == "run_threads" else ["node_execution=sequential"]
+        code, text = run(step.name, [python, "run.py", *RUN, f"precision={precision}", *extra, f"log_dir={runs}",
+                                     f"run_name={step.name}"], step.max_s)
+        if code == 0:
+            step.detail = summary_of(runs / step.name)
+            every_mechanism = step.detail["merges"] >= 1 and step.detail["batch_increases"] >= 1 and \
+                step.detail["accumulation_used"]
+            step.ok = every_mechanism
+            reference = runs / "run_fp32"
+            if step.name != "run_fp32" and (reference / "summary.json").is_file():
+                rel = 0.05 if precision == "bf16" else 1e-3
+                step.detail["against_run_fp32"] = compare_runs(reference, runs / step.name, rel)
+                step.ok = step.ok and step.detail["against_run_fp32"]["within"]
+        else:
+            step.ok = False
+    elif step.name == "torchrun":
+        code, text = run("simulated_2_nodes", [python, "run.py", *TORCHRUN, f"log_dir={runs}", "run_name=simulated"],
+                         step.max_s / 3)
+        launch = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "run.py", *TORCHRUN,
+                  f"log_dir={runs}"]
+        code, text = run("torchrun_nccl", [*launch, "dist_backend=nccl", "run_name=torchrun_nccl"], step.max_s / 3)
+        step.detail["nccl"] = "ok" if code == 0 else last_error_line(text)
+        backend = "nccl"
+        if code != 0:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): gloo with CUDA nodes
+            backend = "gloo"
+            code, text = run("torchrun_gloo", [*launch, "dist_backend=gloo", "run_name=torchrun_gloo"], step.max_s / 3)
+        step.detail["backend"] = backend
+        if code == 0 and (runs / "simulated" / "summary.json").is_file():
+            step.detail["against_simulated"] = compare_runs(runs / "simulated", runs / f"torchrun_{backend}", 1e-3)
+            step.ok = step.detail["against_simulated"]["same_decisions"] and step.detail["against_simulated"]["within"]
+        else:
+            step.ok = False
+    elif step.name == "system":
+        numbers = out / "system.json"
+        code, text = run(step.name, [python, "-m", "benchmarks.system", "--device", "cuda", "--preset",
+                                     "microllama-300m", "--seq-len", "512", "--batch", "8", "--steps", "10",
+                                     "--inner-steps", "10", "--repeats", "2", "--variants",
+                                     "fp32,tf32,bf16,bf16+compile", "--json", str(numbers), "--markdown",
+                                     str(out / "system.md")], step.max_s)
+        step.ok = code == 0 and numbers.is_file()
+        if step.ok:
+            step.detail = json.loads(numbers.read_text())
+    else:  # pragma: no cover - the plan names only the steps above
+        raise ValueError(step.name)
+    if step.ok is False and not step.error:
+        step.error = last_error_line(text)
+
+
+def targets_of(steps: list[Step]) -> dict:
+    """Each target: measured value (None when its step did not run or failed) and whether it is met."""
+    system = next((s.detail for s in steps if s.name == "system" and s.ok), None)
+    measured = {name: None for name in TARGETS}
+    if system:
+        compiled = system.get("inner", {}).get("bf16+compile", {})
+        measured["engine_over_plain_bf16_compile"] = compiled.get("engine_over_plain")
+        measured["mfu_bf16_compile"] = compiled.get("mfu_datasheet")
+        measured["end_to_end_over_node_loop"] = system.get("end_to_end", {}).get("over_node_loop")
+    return {name: {"what": what, "target": threshold, "measured": measured[name],
+                   "met": None if measured[name] is None else measured[name] >= threshold}
+            for name, (what, threshold) in TARGETS.items()}
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def render_markdown(result: dict) -> str:
+    """The short record: machine facts, one row per step, the targets."""
+    facts = result["facts"]
+    missing = ", ".join(f"{k} ({v})" for k, v in facts.get("missing_packages", {}).items()) or "none"
+    lines = [f"# GPU check ({result['started']}, {facts.get('gpu')}, {facts.get('gpu_memory_gib')} GiB, driver "
+             f"{facts.get('driver')}, torch {facts.get('torch')}, CUDA {facts.get('cuda')})", "",
+             f"Budget {result['budget_s'] / 60:.0f} min, used {result['used_s'] / 60:.1f} min. "
+             f"Missing packages: {missing}.",
+             "", "| step | what | result | seconds | detail |", "|---|---|---|---|---|"]
+    for step in result["steps"]:
+        state = {True: "ok", False: "FAILED", None: "not run"}[step["ok"]]
+        detail = step["error"] or ", ".join(f"{k} {_fmt(v)}" for k, v in step["detail"].items()
+                                             if not isinstance(v, dict))
+        for key, value in step["detail"].items():
+            if isinstance(value, dict) and "same_decisions" in value:
+                detail += f"; {key}: same decisions {value['same_decisions']}, max rel. perplexity difference " \
+                          f"{value['max_rel_perplexity_difference']:.2g}"
+        lines.append(f"| {step['name']} | {step['what']} | {state} | {step['seconds']:.0f} | "
+                     f"{detail.replace('|', '/')} |")
+    lines += ["", "| target | measured | needed | met |", "|---|---|---|---|"]
+    for target in result["targets"].values():
+        met = {True: "yes", False: "NO", None: "not measured"}[target["met"]]
+        lines.append(f"| {target['what']} | {_fmt(target['measured'])} | >= {target['target']} | {met} |")
+    system = next((s for s in result["steps"] if s["name"] == "system" and s["ok"]), None)
+    if system:
+        lines += ["", f"| variant ({system['detail'].get('preset')}, seq {system['detail'].get('seq_len')}) | "
+                  "tokens/s | engine / plain | MFU (datasheet) |", "|---|---|---|---|"]
+        for variant, r in system["detail"].get("inner", {}).items():
+            lines.append(f"| {variant} | {r['tokens_per_s']:.0f} | {r['engine_over_plain']:.3f} | "
+                         f"{_fmt(r.get('mfu_datasheet'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict, out: Path) -> tuple[Path, Path]:
+    """DIR/gpu_check.json (every number) and DIR/gpu_check.md (the short record), each replaced whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "gpu_check.json", out / "gpu_check.md"
+    for path, text in zip(paths, (json.dumps(result, indent=2), render_markdown(result))):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return paths
+
+
+STEPS = [("cuda_tests", "pytest -m cuda (tests/test_cuda.py)", 150), ("run_fp32", "run.py on cuda, fp32", 60),
+         ("run_bf16", "run.py on cuda, bf16 autocast", 60),
+         ("run_threads", "run.py, 4 nodes as threads on one GPU", 60),
+         ("torchrun", "torchrun, 2 processes on one GPU, vs the simulated cluster", 120),
+         ("system", "benchmarks.system, microllama-300m seq 512", 240)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=8.0, help="time budget for all steps")
+    p.add_argument("--out", default="", help="where the record goes (default: logs/gpu_check_<date>)")
+    p.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(n for n, _, _ in STEPS)}")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"error: gpu_check needs a CUDA device, and this torch {torch.__version__} (CUDA build: "
+              f"{torch.version.cuda or 'none'}) sees none here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    chosen = [s for s in args.only.split(",") if s]
+    unknown = set(chosen) - {n for n, _, _ in STEPS}
+    if unknown:
+        print(f"error: --only: unknown steps {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    start = time.time()
+    out = Path(args.out) if args.out else ROOT / "logs" / f"gpu_check_{datetime.now():%Y_%m_%d_%H_%M_%S}"
+    run = Runner(out, start + args.minutes * 60)
+    steps = [Step(n, what, max_s) for n, what, max_s in STEPS if not chosen or n in chosen]
+    result = {"started": f"{datetime.now():%Y-%m-%d %H:%M}", "budget_s": args.minutes * 60, "used_s": 0.0,
+              "facts": machine_facts(), "steps": [], "targets": {}}
+    for step in steps:
+        if run.deadline - time.time() < 10:
+            step.error = "not run: the time budget was used up"
+        else:
+            began = time.time()
+            try:
+                run_step(step, run, out, sys.executable)
+            except Exception as exc:  # a broken step is recorded; the next one still runs
+                step.ok, step.error = False, f"{type(exc).__name__}: {str(exc)[:300]}"
+            step.seconds = time.time() - began
+        print(f"{step.name}: {'ok' if step.ok else 'FAILED' if step.ok is False else 'not run'} "
+              f"({step.seconds:.0f} s){': ' + step.error if step.error else ''}", flush=True)
+        result["steps"] = [vars(s) for s in steps]
+        result["used_s"] = time.time() - start
+        result["targets"] = targets_of(steps)
+        write_report(result, out)  # after every step: a check cut short still leaves its record
+    print(render_markdown(result))
+    print(f"record: {out / 'gpu_check.json'}, {out / 'gpu_check.md'}")
+    return 0 if all(s.ok for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

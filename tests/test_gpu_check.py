@@ -1,0 +1,112 @@
+"""benchmarks.gpu_check, as far as a machine without CUDA can check it: the refusal, the report written
+from a recorded result, the cuda marker's announced deselection, and the validity of what each step runs."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from tests.conftest import ROOT
+from utils.config import load_config
+
+
+def test_without_cuda_it_refuses_in_one_line_before_any_work(tmp_path):
+    assert not torch.cuda.is_available()  # CI and this machine: no GPU
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path / "record")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: gpu_check needs a CUDA device, and this torch {torch.__version__} (CUDA build: "
+        f"{torch.version.cuda or 'none'}) sees none here; run it on a GPU machine"]
+    assert not (tmp_path / "record").exists() and time.time() - start < 60
+
+
+def recorded_result() -> dict:
+    """What a GPU machine would record: one step failed, the system numbers in, one target missed."""
+    steps = [gpu_check.Step("cuda_tests", "pytest -m cuda", 150, True, 41.2, {"passed": 11}),
+             gpu_check.Step("run_bf16", "run.py on cuda, bf16 autocast", 60, True, 12.0,
+                            {"final_metric": 181.5, "merges": 3, "against_run_fp32": {
+                                "same_decisions": True, "max_rel_perplexity_difference": 0.012, "within": True}}),
+             gpu_check.Step("torchrun", "torchrun, 2 processes on one GPU", 120, False, 20.0, {"nccl": "x"},
+                            "error: rank 1: a collective failed (ncclInvalidUsage | Duplicate GPU detected)"),
+             gpu_check.Step("system", "benchmarks.system", 240, True, 200.0, {
+                 "preset": "microllama-300m", "seq_len": 512,
+                 "inner": {"bf16": {"tokens_per_s": 109999.0, "engine_over_plain": 0.97, "mfu_datasheet": 0.25},
+                           "bf16+compile": {"tokens_per_s": 186481.0, "engine_over_plain": 0.93,
+                                            "mfu_datasheet": 0.38}},
+                 "end_to_end": {"variant": "fp32", "tokens_per_s": 10300.0, "over_node_loop": 0.45}})]
+    return {"started": "2026-11-22 10:00", "budget_s": 480.0, "used_s": 273.2,
+            "facts": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.2, "driver": "570.1", "torch": "2.13.0",
+                      "cuda": "12.8", "missing_packages": {"clearml": "not needed (clearml_mode=off)"}},
+            "steps": [vars(s) for s in steps], "targets": gpu_check.targets_of(steps)}
+
+
+def test_the_report_says_what_ran_what_failed_and_which_targets_were_met(tmp_path):
+    result = recorded_result()
+    targets = result["targets"]
+    assert targets["engine_over_plain_bf16_compile"] == {"what": "engine node loop / plain loop, bf16 + compile",
+                                                         "target": 0.9, "measured": 0.93, "met": True}
+    assert targets["mfu_bf16_compile"]["met"] is False and targets["end_to_end_over_node_loop"]["met"] is False
+    json_path, md_path = gpu_check.write_report(result, tmp_path)
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(result))
+    text = md_path.read_text()
+    assert text.startswith("# GPU check (2026-11-22 10:00, NVIDIA H100 80GB HBM3, 79.2 GiB, driver 570.1, torch "
+                           "2.13.0, CUDA 12.8)")
+    assert "Missing packages: clearml (not needed (clearml_mode=off))." in text
+    assert "| cuda_tests | pytest -m cuda | ok | 41 | passed 11 |" in text
+    assert "| torchrun | torchrun, 2 processes on one GPU | FAILED | 20 | error: rank 1: a collective failed " \
+           "(ncclInvalidUsage / Duplicate GPU detected) |" in text  # a | inside a cell would break the table
+    assert "against_run_fp32: same decisions True, max rel. perplexity difference 0.012" in text
+    assert "| microllama-300m MFU, bf16 + compile (datasheet peak) | 0.38 | >= 0.4 | NO |" in text
+    assert "| bf16+compile | 186481 | 0.930 | 0.38 |" in text
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_step_that_did_not_run_leaves_its_targets_unmeasured():
+    steps = [gpu_check.Step("system", "benchmarks.system", 240, None, 0.0, {}, "not run: the time budget was used up")]
+    assert all(t["measured"] is None and t["met"] is None for t in gpu_check.targets_of(steps).values())
+    result = {**recorded_result(), "steps": [vars(s) for s in steps], "targets": gpu_check.targets_of(steps)}
+    text = gpu_check.render_markdown(result)
+    assert "| system | benchmarks.system | not run | 0 | not run: the time budget was used up |" in text
+    assert text.count("| not measured |") == 3
+
+
+def test_the_cuda_marker_is_deselected_here_and_says_so():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 5, proc.stdout[-2000:]  # pytest: no test ran (all deselected), not a pass
+    assert "deselected 9 CUDA tests (marker cuda): no CUDA device here; python -m benchmarks.gpu_check runs them " \
+           "on a GPU" in proc.stdout
+    assert "9 deselected" in proc.stdout.strip().splitlines()[-1]
+
+
+def test_every_run_the_check_makes_is_a_valid_config():
+    for extra in (["precision=fp32", "node_execution=sequential"], ["precision=bf16", "node_execution=sequential"],
+                  ["precision=fp32", "node_execution=threads"]):
+        cfg = load_config(ROOT / "config.yaml", [*gpu_check.RUN, *extra])
+        assert cfg.devices == ["cuda"] and cfg.total_nodes == 4 and cfg.merge_frequency == 2
+    for backend in ("nccl", "gloo"):
+        cfg = load_config(ROOT / "config.yaml", [*gpu_check.TORCHRUN, f"dist_backend={backend}"])
+        assert cfg.total_nodes == 2  # torchrun --nproc-per-node 2
+
+
+def test_two_recorded_runs_are_compared_by_decisions_and_perplexity(tmp_path):
+    import csv
+
+    header = [*gpu_check.DECISIONS, "val_perplexity"]
+    for name, ppl in (("a", 100.0), ("b", 100.05)):
+        path = tmp_path / name / "model_training_report" / "training_log.csv"
+        path.parent.mkdir(parents=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerow(["1", "0", "0 1", "3", "2", "2", "4", ppl])
+    compared = gpu_check.compare_runs(tmp_path / "a", tmp_path / "b", 1e-3)
+    assert compared["same_decisions"] and compared["within"]
+    assert compared["max_rel_perplexity_difference"] == pytest.approx(0.0005, rel=1e-9)  # 0.05 / 100
+    assert not gpu_check.compare_runs(tmp_path / "a", tmp_path / "b", 1e-4)["within"]
