@@ -204,10 +204,16 @@ def test_sigterm_under_torchrun_stops_every_rank_and_resumes_under_torchrun(simu
     assert time.time() - sent < 30
     stops = [x for x in err.splitlines() if x.startswith("stopped by SIGTERM after outer step")]
     assert len(stops) == 4 and len(set(stops)) == 1  # every rank stopped at the same step
+    # torchrun reports 1 whatever the ranks exited with; the run directory says what happened
+    assert proc.returncode != 0
+    status = json.loads((tmp_path / "sig" / "status.json").read_text())
+    assert status["state"] == "stopped" and status["signal"] == "SIGTERM" and status["exit_code"] == 143
+    assert status["resumable"] and stops[0].startswith(f"stopped by SIGTERM after outer step {status['outer_step']};")
     resumed = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), "--resume", str(tmp_path / "sig"),
                               f"num_outer_steps={6}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_decisions(simulated, tmp_path / "sig")
+    assert json.loads((tmp_path / "sig" / "status.json").read_text())["state"] == "completed"
 
 
 def test_a_hung_rank_ends_the_run_after_dist_timeout_s_naming_it(tmp_path, cache_dir):
