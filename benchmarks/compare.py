@@ -110,8 +110,7 @@ def read_run(run_dir: Path) -> dict:
                       "rounds": int(last["rounds"] or 0), "syncs": int(last["syncs"] or 0),
                       "bytes": int(last["bytes_communicated"] or 0), "wall": float(last["wall_time"] or 0)})
     trained = [r for r in rows if r["outer_step"] != "0"]
-    shapes = [f"{r['loader_batch']}x{r['accumulation_steps']}" for r in trained]
-    ran = shapes[0] if len(set(shapes)) == 1 else f"{shapes[0]}..{shapes[-1]}"
+    ran = ran_shapes(trained)
     return {"run_dir": run_dir, "curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
             "best_seen": summary.get("best_metric_seen"), "ran": ran,
             "merges": [{"before": [float(v) for v in m["metric_before"].split()],
@@ -121,6 +120,15 @@ def read_run(run_dir: Path) -> dict:
             "max_accumulation": max(int(r["accumulation_steps"]) for r in trained),
             "grad_sq_norm": [float(r["grad_sq_norm"]) for r in trained if r.get("grad_sq_norm")],
             "train_loss_first": float(trained[0]["train_loss"])}
+
+
+def ran_shapes(rows: list[dict]) -> str:
+    """What a run really ran, loader batch x accumulation steps: one shape, or the smallest..largest by the
+    batch they make (every trainer, every step; not the first and last rows)."""
+    shapes = {(int(r["loader_batch"]) * int(r["accumulation_steps"]), int(r["accumulation_steps"]),
+               f"{r['loader_batch']}x{r['accumulation_steps']}") for r in rows}
+    low, high = min(shapes), max(shapes)
+    return low[2] if low == high else f"{low[2]}..{high[2]}"
 
 
 def value_at(curve: list[dict], axis: str, budget: float, log_scale: bool = True) -> tuple[float, bool]:
@@ -612,7 +620,7 @@ def write_outputs(report: dict, results: dict, args, out: Path) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "config.yaml"))
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (training_seed 0..seeds-1)")
@@ -628,7 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain_set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for phase 1 (repeatable)")
     p.add_argument("--init_from", default="", help="warm start from this finished run's final model")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare"))
+    p.add_argument("--out", default=str(ROOT / "logs" / "compare"),
+                   help="runs and report (default logs/compare, outside the committed results; BENCHMARKS.md's "
+                        "commands name benchmarks/results/... explicitly)")
     p.add_argument("--rerun", action="store_true", help="redo runs that already finished")
     p.add_argument("--report_out", default="",
                    help="write the tables and plots here instead of --out (the runs stay in --out/runs): another "
@@ -645,8 +655,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crossover_latency", default="10ms", help="latency of the crossover over bandwidths")
     p.add_argument("--no_statistics", action="store_true",
                    help="network model: leave out the batch test's statistics (the weights traffic only)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every variant")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="run.py key=value overrides applied to every variant, after "
+                   "--config (e.g. lr_inner=1e-3 num_inner_steps=10); each variant's own keys come after them")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     parse_networks(args)
     previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:

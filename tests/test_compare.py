@@ -221,3 +221,23 @@ def test_stopping_the_harness_stops_its_running_variant(tmp_path, cache_dir):
     assert not alive  # no orphan keeps training
     status = json.loads((out / "runs" / "diloco_b2_seed0" / "status.json").read_text())
     assert status["state"] == "stopped" and status["signal"] == "SIGTERM"
+
+
+def test_ran_names_the_smallest_and_largest_shapes_that_really_ran():
+    from benchmarks.compare import ran_shapes
+
+    rows = [{"loader_batch": lb, "accumulation_steps": acc} for lb, acc in
+            [("2", "1"), ("4", "4"), ("4", "2"), ("4", "1"), ("3", "3")]]  # the largest is not the last row
+    assert ran_shapes(rows) == "2x1..4x4"
+    assert ran_shapes(rows[:1] * 3) == "2x1"
+
+
+def test_the_harness_writes_outside_the_committed_results_by_default():
+    import subprocess
+
+    from benchmarks.compare import build_parser
+
+    out = build_parser().parse_args([]).out
+    assert out == str(ROOT / "logs" / "compare")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(ROOT / "logs" / "compare" / "comparison.md")], cwd=ROOT)
+    assert ignored.returncode == 0  # logs/ is not tracked: a user's report never replaces the committed one
