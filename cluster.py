@@ -655,6 +655,9 @@ class ClusterController:
             "max_batch_per_node": {n.node_id: n.max_batch for n in self.nodes},
             "accumulation_used": self.logger.accumulation_used, "merges": self.logger.merges,
             "batch_increases": self.logger.batch_increases,
+            # decisions where max_requested_batch, not the batch test, set the batch; the largest the test asked
+            "capped_requests": self.logger.capped_requests,
+            "largest_capped_request": self.logger.largest_capped_request,
         }
         if sent is not None:  # weights == bytes_communicated: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent

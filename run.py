@@ -268,6 +268,10 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
                  plural(summary["batch_increases"], "batch increase"), summary["accumulation_used"],
                  plural(summary["rounds"], "round"), plural(summary["syncs"], "sync"),
                  summary["bytes_communicated"] / 1e6, summary["wall_time_s"])
+        if summary["capped_requests"]:
+            log.warning("the batch test was capped by max_requested_batch %d in %s (it asked for up to %d): the "
+                        "batches followed the cap, not the test", cfg.max_requested_batch,
+                        plural(summary["capped_requests"], "decision"), summary["largest_capped_request"])
         log.info("outputs in %s", run_dir)
     except BaseException as exc:
         if isinstance(exc, RunStopped):

@@ -206,8 +206,9 @@ class BatchTest(ABC):
         target, stats = self.target(dev, max(1, num_nodes))
         stats["grad_sq_norm"] = dev.sq_norm
         stats["T_k"] = target
-        new = min(self.max_batch, max(current, math.ceil(target - 1e-9)))
-        return BatchDecision(int(new), stats)
+        asked = max(current, math.ceil(target - 1e-9))
+        stats["test_requested_batch"] = asked  # before the cap: what the test itself asked for
+        return BatchDecision(int(min(self.max_batch, asked)), stats)
 
     @abstractmethod
     def target(self, dev: GradientStatistics, num_nodes: int) -> tuple[float, dict[str, float]]:
@@ -255,6 +256,12 @@ class AugmentedInnerProductTest(BatchTest):
         return max(t_ip, t_ortho), stats
 
 
+def logged_only(stats: dict[str, float]) -> dict[str, float]:
+    """A schedule that is not a test logs the norm test's statistics, but nothing it asked for: its batch is
+    never the test's, so no request of the test was capped."""
+    return {k: v for k, v in stats.items() if k != "test_requested_batch"}
+
+
 class ConstantBatch(BatchTest):
     """No adaptation; still reports the norm-test statistics for comparison."""
 
@@ -266,7 +273,7 @@ class ConstantBatch(BatchTest):
         self._norm = NormTest(eta, max_batch)
 
     def __call__(self, samples, current, num_nodes, tokens_seen=0):
-        return BatchDecision(current, self._norm(samples, current, num_nodes).stats)
+        return BatchDecision(current, logged_only(self._norm(samples, current, num_nodes).stats))
 
     def target(self, dev, num_nodes):  # pragma: no cover - unused
         raise NotImplementedError
@@ -294,7 +301,7 @@ class LinearRampup(BatchTest):
         return min(self.max_batch, math.floor(self.start + (self.max_batch - self.start) * progress + 1e-9))
 
     def __call__(self, samples, current, num_nodes, tokens_seen=0):
-        stats = self._norm(samples, current, num_nodes).stats
+        stats = logged_only(self._norm(samples, current, num_nodes).stats)
         return BatchDecision(max(current, self.scheduled(tokens_seen)), stats)
 
     def target(self, dev, num_nodes):  # pragma: no cover - unused

@@ -94,6 +94,15 @@ def test_norm_test_hand_values():
     assert d.stats["T_k"] == pytest.approx(8.0)
 
 
+def test_a_capped_request_keeps_what_the_test_asked_for():
+    # the hand case above asks for 8; max_requested_batch 5 caps the decision, the stats keep the 8
+    d = NormTest(eta=0.5, max_batch=5)(S([[0.0, 0.0], [4.0, 0.0]]), current=1, num_nodes=1)
+    assert d.requested_batch == 5 and d.stats["test_requested_batch"] == 8
+    assert NormTest(eta=0.5)(S([[0.0, 0.0], [4.0, 0.0]]), 1, 1).stats["test_requested_batch"] == 8  # uncapped
+    # schedules that are not tests log the statistics but ask for nothing
+    assert "test_requested_batch" not in ConstantBatch(eta=0.5, max_batch=5)(S([[0.0, 0.0], [4.0, 0.0]]), 1, 1).stats
+
+
 def test_norm_test_scales_with_sample_batch_and_nodes():
     grads = [[0.0, 0.0], [4.0, 0.0]]
     # sample batch 2 doubles the variance, 2 nodes halve the need: T stays 8; eta=1 divides by 4 -> 2

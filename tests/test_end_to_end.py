@@ -112,3 +112,30 @@ def test_bad_checkpoint_and_existing_run_dir_are_user_errors(tiny_config, tmp_pa
 def test_summary_is_json(tiny_config):
     run_dir, summary = train(tiny_config("run_name=s", "num_outer_steps=1"))
     assert json.loads((run_dir / "summary.json").read_text())["final_trainer"] == summary["final_trainer"]
+
+
+def test_a_batch_test_capped_by_max_requested_batch_says_so(tiny_config, tmp_path):
+    """The augmented inner product test at the paper's vartheta asks for far more than max_requested_batch:
+    the CSV keeps what it asked, the log says so once per trainer, the summary and the last lines count it."""
+    from pathlib import Path
+
+    from run import main
+    from tests.conftest import ROOT, TINY
+
+    cfg = tiny_config()
+    code = main(["--config", str(ROOT / "config.yaml"), *TINY, f"cache_dir={cfg.cache_dir}", f"log_dir={cfg.log_dir}",
+                 "run_name=capped", "sampling_method=augmented_inner_product_test", "vartheta=0.01",
+                 "max_requested_batch=4", "merge_frequency=0"])
+    assert code == 0
+    run_dir = Path(cfg.log_dir) / "capped"
+    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["test_requested_batch"]]
+    capped = [r for r in rows if int(r["test_requested_batch"]) > int(r["next_requested_batch"])]
+    assert capped and all(r["next_requested_batch"] == "4" for r in capped)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["capped_requests"] == len(capped)
+    assert summary["largest_capped_request"] == max(int(r["test_requested_batch"]) for r in capped)
+    log = (run_dir / "training_log.log").read_text()
+    warned = [line for line in log.splitlines() if "batch test: trainer" in line]
+    assert len(warned) == len({r["trainer_id"] for r in capped}) and "max_requested_batch caps it at 4" in warned[0]
+    assert f"the batch test was capped by max_requested_batch 4 in {len(capped)} decision" in log

@@ -25,7 +25,8 @@ from training_logs.trackers import Tracker
 log = logging.getLogger(__name__)
 COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", "loader_batch",
            "accumulation_steps", "optimizer_steps", "tokens_seen", "global_tokens", "train_loss", "val_perplexity",
-           "val_accuracy", "val_loss", "next_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
+           "val_accuracy", "val_loss", "next_requested_batch",
+           "test_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
            "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "rounds", "syncs", "bytes_communicated",
            "allreduce_bytes", "merge_bytes", "node_move_bytes", "node_moves", "wall_time", "trainers_alive"]
 # metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
@@ -117,14 +118,20 @@ class TrainingLogger:
         self.batch_increases = 0
         self.accumulation_used = False
         self.faults = 0
+        self.capped_requests = 0  # batch-test decisions that max_requested_batch cut down
+        self.largest_capped_request = 0
+        self._cap_reported: set = set()
 
     def counters(self) -> dict:
         return {"merges": self.merges, "batch_increases": self.batch_increases,
-                "accumulation_used": self.accumulation_used, "faults": self.faults}
+                "accumulation_used": self.accumulation_used, "faults": self.faults,
+                "capped_requests": self.capped_requests, "largest_capped_request": self.largest_capped_request}
 
     def load_counters(self, state: dict) -> None:
         self.merges, self.batch_increases = int(state["merges"]), int(state["batch_increases"])
         self.accumulation_used, self.faults = bool(state["accumulation_used"]), int(state["faults"])
+        self.capped_requests = int(state.get("capped_requests", 0))  # checkpoints of older versions lack them
+        self.largest_capped_request = int(state.get("largest_capped_request", 0))
 
     def log_faults(self, rows: list[dict]) -> None:
         with self._lock:
@@ -162,6 +169,17 @@ class TrainingLogger:
                 self.merges += 1
             self.batch_increases += sum(r["next_requested_batch"] > r["requested_batch"] for r in rows)
             self.accumulation_used |= any(r["accumulation_steps"] > 1 for r in rows)
+            for r in rows:  # max_requested_batch decided instead of the test: say so, once per trainer
+                asked = r.get("test_requested_batch")
+                if asked is None or asked <= r["next_requested_batch"]:
+                    continue
+                self.capped_requests += 1
+                self.largest_capped_request = max(self.largest_capped_request, int(asked))
+                if r["trainer_id"] not in self._cap_reported:
+                    self._cap_reported.add(r["trainer_id"])
+                    log.warning("batch test: trainer %s asked for a batch of %d at outer step %s; max_requested_batch "
+                                "caps it at %d (the run follows the cap, not the test: raise max_requested_batch to "
+                                "follow it)", r["trainer_id"], asked, r["outer_step"], r["next_requested_batch"])
         step = rows[0]["outer_step"]
         scalars = {f"trainer_{r['trainer_id']}/{k}": float(r[k]) for r in rows for k in TRACKED if k in r}
         pick = max if self.higher_is_better else min
