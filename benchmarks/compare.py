@@ -55,6 +55,7 @@ from benchmarks import network  # noqa: E402
 from benchmarks.theory import communication_bound  # noqa: E402
 from training_logs.plots import readable_y  # noqa: E402
 from utils.config import Config, load_config  # noqa: E402
+from utils.errors import Interrupted, raise_interrupted  # noqa: E402
 from utils.run_state import in_use  # noqa: E402
 
 # budget axes: curve key -> what it counts (definitions in algorithms/traffic.py)
@@ -187,18 +188,6 @@ def clear_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir)
 
 
-class HarnessStopped(BaseException):
-    """SIGINT / SIGTERM / SIGHUP to the harness: its running child is stopped too, then the harness exits."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stop(signum, frame) -> None:
-    raise HarnessStopped(signum)
-
-
 def run_child(cmd: list[str], log_path: Path) -> int:
     """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal (it
     checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training."""
@@ -207,7 +196,7 @@ def run_child(cmd: list[str], log_path: Path) -> int:
         try:
             return child.wait()
         except BaseException as exc:
-            signum = exc.signum if isinstance(exc, HarnessStopped) else signal.SIGTERM
+            signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGTERM
             if child.poll() is None:
                 child.send_signal(signum)
                 try:
@@ -663,10 +652,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     parse_networks(args)
-    previous = {signum: signal.signal(signum, _raise_stop) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, raise_interrupted) for signum in stops}
     try:
         return _compare(args)
-    except HarnessStopped as stopped:
+    except Interrupted as stopped:  # SIGINT / SIGTERM / SIGHUP: the running child was stopped too
         print(f"stopped by {signal.Signals(stopped.signum).name}: the running variant was stopped too; run the same "
               "command again to go on (finished runs are reused)", file=sys.stderr)
         return 128 + stopped.signum

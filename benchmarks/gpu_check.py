@@ -41,6 +41,8 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 # run.py on a GPU: a tiny model, 4 trainers on 4 nodes of one GPU, merges every 2 steps, batches that grow
 # past the max batch of 2 (accumulation): every mechanism inside one short run
@@ -259,12 +261,12 @@ def render_markdown(result: dict) -> str:
 
 def write_report(result: dict, out: Path) -> tuple[Path, Path]:
     """DIR/gpu_check.json (every number) and DIR/gpu_check.md (the short record), each replaced whole."""
+    from utils.safe_write import write_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "gpu_check.json", out / "gpu_check.md"
     for path, text in zip(paths, (json.dumps(result, indent=2), render_markdown(result))):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     return paths
 
 

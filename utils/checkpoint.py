@@ -206,6 +206,20 @@ def prune_checkpoints(weights_dir: Path, keep: int, newest: Path) -> list[Path]:
     return removed
 
 
+def check_files(root: Path, files: dict[str, dict], deep: bool) -> None:
+    """Each manifest entry {name: {bytes, sha256}} against the file under root: present, its size, and (deep)
+    its sha256; a UserError naming the first file that differs."""
+    for name, info in files.items():
+        file = root / name
+        if not file.is_file():
+            raise UserError(f"checkpoint: {file} is missing")
+        if file.stat().st_size != info["bytes"]:
+            raise UserError(f"checkpoint: {file} has {file.stat().st_size} bytes, the manifest says {info['bytes']} "
+                            "(truncated or overwritten)")
+        if deep and _sha256(file) != info["sha256"]:
+            raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
+
+
 def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Checkpoint:
     """The checkpoint at `path` if it is complete and its files are intact; a UserError saying what is wrong."""
     manifest_path = path / MANIFEST
@@ -222,15 +236,7 @@ def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Che
     if config_hash is not None and manifest.get("config_hash") != config_hash:
         raise UserError(f"checkpoint: {path} belongs to another configuration (config hash "
                         f"{manifest.get('config_hash')}, this run's is {config_hash})")
-    for name, info in files.items():
-        file = path / name
-        if not file.is_file():
-            raise UserError(f"checkpoint: {file} is missing")
-        if file.stat().st_size != info["bytes"]:
-            raise UserError(f"checkpoint: {file} has {file.stat().st_size} bytes, the manifest says {info['bytes']} "
-                            "(truncated or overwritten)")
-        if deep and _sha256(file) != info["sha256"]:
-            raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
+    check_files(path, files, deep)
     return Checkpoint(path, outer_step, manifest)
 
 
@@ -254,15 +260,7 @@ def verify_part(path: Path) -> Path | None:
               if path == root or Path(name) == inside or inside in Path(name).parents}
     if not chosen and path.is_file():
         raise UserError(f"checkpoint: {path} is not listed in {root / MANIFEST}")
-    for name, info in chosen.items():
-        file = root / name
-        if not file.is_file():
-            raise UserError(f"checkpoint: {file} is missing")
-        if file.stat().st_size != info["bytes"]:
-            raise UserError(f"checkpoint: {file} has {file.stat().st_size} bytes, the manifest says {info['bytes']} "
-                            "(truncated or overwritten)")
-        if _sha256(file) != info["sha256"]:
-            raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
+    check_files(root, chosen, deep=True)
     return root
 
 

@@ -43,14 +43,16 @@ class RunStopped(Exception):
 
 
 class Interrupted(BaseException):
-    """SIGTERM / SIGHUP to a command-line tool, raised where it runs so its cleanup (finally) happens."""
+    """A signal to a command-line tool (SIGTERM, SIGHUP; SIGINT where the tool asks), raised where it runs so
+    its cleanup (finally) happens."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
-def _interrupt(signum, frame) -> None:
+def raise_interrupted(signum, frame) -> None:
+    """A signal handler: the signal as an Interrupted exception where the main thread is."""
     raise Interrupted(signum)
 
 
@@ -64,7 +66,7 @@ def exit_code_of(action: Callable[[], object], interrupted: str = "stopped") -> 
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+        previous = {signum: signal.signal(signum, raise_interrupted) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         action()
     except UserError as exc:
