@@ -582,3 +582,22 @@ def test_a_merge_frequency_beyond_the_run_is_warned(tiny_config):
     assert any("no merge will happen" in w for w in tiny_config("merge_frequency=5", "num_outer_steps=4").warnings())
     assert not any("merge" in w for w in tiny_config("merge_frequency=4", "num_outer_steps=4").warnings())
     assert not any("merge" in w for w in tiny_config("merge_frequency=5", "num_init_trainers=1").warnings())
+
+
+def test_resuming_a_run_of_an_older_version_keeps_its_log_rows(tiny_config):
+    """A CSV written before a column was added (test_requested_batch) keeps its rows on resume."""
+    run_dir, _ = train(tiny_config("run_name=older", "num_outer_steps=2"))
+    path = run_dir / "model_training_report" / "training_log.csv"
+    with path.open() as f:
+        old = [{k: v for k, v in r.items() if k != "test_requested_batch"} for r in csv.DictReader(f)]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(old[0]))
+        writer.writeheader()
+        writer.writerows(old)
+    cfg, checkpoint = resume_config(run_dir, ["num_outer_steps=3"], None)
+    train(cfg, (run_dir, checkpoint))
+    with path.open() as f:
+        now = list(csv.DictReader(f))
+    assert [r["outer_step"] for r in now] == [r["outer_step"] for r in old] + ["3"] * (len(now) - len(old))
+    assert all(now[i][k] == v for i, r in enumerate(old) for k, v in r.items())
+    assert not [line for line in (run_dir / "training_log.log").read_text().splitlines() if "resume: " in line]

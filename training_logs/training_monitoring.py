@@ -50,10 +50,13 @@ def start_csv(path: Path, columns: list[str], resume_step: int | None, always_ke
         with path.open(newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            if header == columns:
-                kept = [row for row in reader  # a row torn by a crash (too short) is dropped too
-                        if len(row) == len(columns) and row[0].isdigit()
-                        and (int(row[0]) <= resume_step or (always_keep is not None and always_keep(row)))]
+            if header is not None and header[:1] == columns[:1] and set(header) <= set(columns):
+                # an older version's columns (a subset): its rows carry over by name, new columns empty
+                where = [header.index(c) if c in header else None for c in columns]
+                kept = [[row[i] if i is not None else "" for i in where] for row in reader
+                        if len(row) == len(header) and row[0].isdigit()]  # a row torn by a crash is dropped
+                kept = [row for row in kept
+                        if int(row[0]) <= resume_step or (always_keep is not None and always_keep(row))]
             else:
                 problem = "has other columns than this version writes"
     tmp = path.with_name(f".{path.name}.tmp")
