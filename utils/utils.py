@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from utils.run_state import RunLock, in_use
+from utils.run_state import RunDirInUse, RunLock, in_use
 
 
 def set_seeds(seed: int) -> None:
@@ -73,7 +73,7 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> tuple
             if problem:
                 raise UserError(problem)
             if path.is_dir() and any(path.iterdir()):
-                stub = RunLock(path).acquire()  # a live run keeps its directory; the lock moves with it
+                stub = _claim_named(path)  # a live run keeps its directory; the lock moves with it
                 try:
                     problem = refused_run_name(path, held=True)  # it may have written a checkpoint before we locked
                     if problem:
@@ -85,7 +85,7 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> tuple
                 logging.getLogger(__name__).warning("run_name: %s held a run without checkpoints; moved to %s",
                                                     path, aside)
             path.mkdir(exist_ok=True)
-            return path, RunLock(path).acquire()
+            return path, _claim_named(path)
         base = f"{Path(model).name or model}_{dataset}_{stamp}"
         for i in range(1, 1000):
             path = root / (base if i == 1 else f"{base}_{i}")
@@ -97,6 +97,16 @@ def make_run_dir(log_dir: str, run_name: str, model: str, dataset: str) -> tuple
         raise UserError(f"log_dir: could not find a free run directory name in {root}")
     except OSError as exc:
         raise UserError(f"log_dir: cannot create a run directory in {root} ({exc.strerror or exc})") from None
+
+
+def _claim_named(path: Path) -> RunLock:
+    """The lock of a run directory named by run_name; another process that won the race is refused by key."""
+    from utils.errors import UserError
+
+    try:
+        return RunLock(path).acquire()
+    except RunDirInUse as exc:
+        raise UserError(f"run_name: {exc}") from None
 
 
 def refused_run_name(path: Path, held: bool = False) -> str | None:
