@@ -8,7 +8,7 @@ The controller takes every decision; a backend executes what crosses nodes:
 - `agree(flag)`: a flag that is true everywhere once true anywhere.
 `RoundBackend` runs the nodes in this process (threads or a loop; transfers are no-ops, every trainer's
 state is here). Under torchrun, `distributed/backend.py` runs one node per process and implements the
-same methods with collectives; algorithms/ and trainers.py are the same for both.
+same methods with collectives; rounds.py, algorithms/ and trainers.py are the same for both.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,98 +27,25 @@ import torch
 from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import GradientStatistics, build_batch_test, trainer_statistics
+from algorithms.calc_batch import build_batch_test
 from algorithms.policies import build_merge_policy
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import EvalResult, Evaluator
-from fabrics.models import float_state, replicate
+from fabrics.models import replicate
 from fabrics.precision import build_precision
+from rounds import NodeFault, RoundResult, combine, run_node
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
 from utils.checkpoint import Checkpoint, prune_checkpoints, save_checkpoint
 from utils.config import Config
 from utils.errors import RunStopped, TrainingFault, UserError
 from utils.max_batch_calculator import find_max_batch_size
+from utils.model_state import float_state
 from utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundResult:
-    """One trainer's combined round: mean node weights plus what the batch test and the logs need."""
-
-    node_mean: dict[str, torch.Tensor] | None  # None under torchrun on processes outside the trainer
-    nodes: list[int]
-    train_loss: float
-    tokens: int
-    optimizer_steps: int
-    node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
-    learning_rate: float
-    statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
-
-
-@dataclass
-class NodeFault:
-    """A node whose round failed: an exception, or a non-finite loss or weights."""
-
-    node_id: int
-    trainer_id: int
-    kind: str  # error | nan
-    message: str
-
-
-def check_finite(result: NodeResult) -> NodeFault | None:
-    bad = next((i for i, loss in enumerate(result.step_losses) if not math.isfinite(loss)), None)
-    if bad is not None:
-        return NodeFault(result.node_id, result.trainer_id, "nan",
-                         f"non-finite loss at inner step {bad} (diverged? lower lr_inner)")
-    if not all(bool(torch.isfinite(v).all()) for v in result.state.values()):
-        return NodeFault(result.node_id, result.trainer_id, "nan", "non-finite weights after the round")
-    return None
-
-
-def run_node(node: Node, job: NodeJob) -> NodeResult | NodeFault:
-    """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes)."""
-    try:
-        result = node.run(job)
-    except RoundAbandoned:
-        raise
-    except Exception as exc:  # a node fault, handled by the on_node_fault policy
-        log.debug("node %d failed", job.node_id, exc_info=True)
-        return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
-    fault = check_finite(result)
-    if fault is not None and job.inject_fault:
-        fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
-    return fault or result
-
-
-def combine(results: list[NodeResult], within_node: bool, device: str = "cpu") -> dict[int, RoundResult]:
-    """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
-    order; and the batch test's statistics from the nodes' samples."""
-    by_trainer: dict[int, list[NodeResult]] = {}
-    for r in sorted(results, key=lambda r: r.node_id):
-        by_trainer.setdefault(r.trainer_id, []).append(r)
-    combined = {}
-    for trainer_id, group in by_trainer.items():
-        mean = {}
-        for name in group[0].state:
-            acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32, device=device)
-            for r in group:
-                acc += r.state[name].detach().to(device, torch.float32)
-            mean[name] = acc / len(group)
-        combined[trainer_id] = RoundResult(
-            node_mean=mean, nodes=[r.node_id for r in group],
-            train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
-            tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
-            node_step_losses={r.node_id: r.step_losses for r in group},
-            learning_rate=group[0].learning_rate)
-        samples = [(r.grad_samples, r.sample_batches) for r in group if r.grad_samples is not None]
-        if samples:
-            combined[trainer_id].statistics = trainer_statistics(samples, within_node)
-    return combined
 
 
 class RoundBackend:

@@ -178,10 +178,11 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     check_before_work(cfg, resuming=resume is not None)  # model, data paths, run_name: before any data work
     # Heavy imports after validation, so config errors come back instantly.
     from cluster import ClusterController
-    from fabrics.dataset_loader import load_corpus
+    from fabrics.corpus import load_corpus
     from fabrics.models import build_model, count_parameters
+    from training_logs.csv_files import cut_jsonl
     from training_logs.memory_monitor import MemoryMonitor
-    from training_logs.training_monitoring import TrainingLogger, cut_jsonl
+    from training_logs.training_monitoring import TrainingLogger
     from utils.checkpoint import write_atomic
     from utils.run_state import RunLock, write_status
     from utils.signals import StopSignals

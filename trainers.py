@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from algorithms.policies import weighted_average
 from fabrics.dataset_loader import PackedData, ShardSampler
-from fabrics.models import float_state, load_float_state
 from fabrics.precision import PRECISIONS, Precision
 from utils.config import Config
+from utils.model_state import float_state, load_float_state
 
 
 @dataclass

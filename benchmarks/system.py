@@ -35,12 +35,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-from fabrics.dataset_loader import load_corpus  # noqa: E402
-from fabrics.models import build_model, count_parameters, float_state  # noqa: E402
+from fabrics.corpus import load_corpus  # noqa: E402
+from fabrics.models import build_model, count_parameters  # noqa: E402
 from fabrics.precision import PRECISIONS, build_precision  # noqa: E402
 from trainers import TRAINERS, Node, NodeJob  # noqa: E402
 from utils.config import load_config  # noqa: E402
+from utils.model_state import float_state  # noqa: E402
 
 MiB = 2**20
 

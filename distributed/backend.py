@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
+from rounds import NodeFault, RoundResult, run_node
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
 
@@ -38,9 +39,6 @@ class DistributedBackend:
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
                  grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
                  master_device: str = "cpu") -> None:
-        from cluster import NodeFault  # cluster imports this module lazily; no cycle at import time
-
-        self._fault_type = NodeFault
         self.nodes, self.rank = nodes, rank
         self.world_size = dist.get_world_size()
         self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
@@ -136,8 +134,6 @@ class DistributedBackend:
             raise self._failed(exc) from None
 
     def _run_round(self, jobs: list[NodeJob]):
-        from cluster import RoundResult, run_node
-
         job = next(j for j in jobs if j.node_id == self.rank)
         abandoned, outcome = False, None
         try:
@@ -153,7 +149,7 @@ class DistributedBackend:
         facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
             raise RoundAbandoned("a stop was requested")
-        faults = [self._fault_type(**f["fault"]) for f in facts if f["fault"] is not None]
+        faults = [NodeFault(**f["fault"]) for f in facts if f["fault"] is not None]
         trainers = sorted({j.trainer_id for j in jobs})
         members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainers}
         for t in trainers:  # new groups are made collectively, in the same order everywhere

@@ -403,20 +403,6 @@ def load_c4(cfg: Config) -> CorpusData:
     return _from_documents(cfg, train_docs, val_docs, source)
 
 
-def load_imdb(cfg: Config) -> CorpusData:
-    from fabrics.imdb_data import load_imdb_corpus
-
-    return load_imdb_corpus(cfg)
-
-
-DATA_SOURCES = {"embedded": load_embedded, "c4": load_c4, "imdb": load_imdb}
-
-
-def load_corpus(cfg: Config) -> CorpusData:
-    """Training and validation data of the configured dataset; validation is never trained on."""
-    return DATA_SOURCES[cfg.dataset](cfg)
-
-
 def cache_dir_of(cfg: Config) -> Path:
     return Path(cfg.cache_dir).expanduser()
 

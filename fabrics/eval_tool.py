@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from fabrics.dataset_loader import PackedData
-from fabrics.models import load_float_state
 from fabrics.precision import PRECISIONS, Precision
+from utils.model_state import load_float_state
 
 
 @dataclass

@@ -147,8 +147,9 @@ def analyse(probe: GradientProbe, sample: torch.Tensor, batch_sizes: list[int], 
 def load_model(cfg: AnalysisConfig, train_cfg, tokenizer):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from fabrics.models import build_model, load_float_state
+    from fabrics.models import build_model
     from utils.checkpoint import load_trainer_weights
+    from utils.model_state import load_float_state
 
     path = Path(cfg.checkpoint_path).expanduser() if cfg.checkpoint_path else None
     if path is not None and path.is_dir():
@@ -247,7 +248,7 @@ def plot_histograms(results: dict[int, BatchSizeResult], summaries: dict[int, di
 
 
 def run(cfg: AnalysisConfig) -> dict:
-    from fabrics.dataset_loader import load_corpus
+    from fabrics.corpus import load_corpus
     from fabrics.models import count_parameters
 
     train_cfg_path = find_train_config(cfg)

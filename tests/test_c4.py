@@ -12,7 +12,7 @@ import pytest
 
 from c4.tokenize_c4 import main as tokenize_main
 from fabrics.c4_data import stream_hub_c4
-from fabrics.dataset_loader import load_corpus
+from fabrics.corpus import load_corpus
 from run import train
 from tests.conftest import ROOT
 from utils.errors import DataError

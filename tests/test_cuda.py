@@ -51,8 +51,9 @@ def test_mixed_precision_trains_with_falling_loss_and_tracks_fp32(cuda_fp32_run,
 
 
 def _node(tiny_config, precision: str, make=None):
-    from fabrics.dataset_loader import load_corpus
-    from fabrics.models import build_model, float_state
+    from fabrics.corpus import load_corpus
+    from fabrics.models import build_model
+    from utils.model_state import float_state
 
     cfg = tiny_config("devices=[cuda]", f"precision={precision}")
     data = load_corpus(cfg)
@@ -129,7 +130,7 @@ def test_batch_statistics_on_the_device_equal_the_cpu_ones(within_node):
 
 
 def test_the_cuda_probe_stays_within_its_budget_and_leaves_nothing(tiny_config, monkeypatch):
-    from fabrics.dataset_loader import load_corpus
+    from fabrics.corpus import load_corpus
     from fabrics.models import build_model
     from trainers import TRAINERS
     from utils.max_batch_calculator import find_max_batch_size

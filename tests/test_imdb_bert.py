@@ -6,7 +6,7 @@ import random
 import datasets
 import pytest
 
-from fabrics.dataset_loader import load_corpus
+from fabrics.corpus import load_corpus
 from run import train
 from utils.errors import DataError
 

@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fabrics.dataset_loader import PackedData, ShardSampler, pack
 from fabrics.eval_tool import Evaluator
-from fabrics.models import float_state
 from trainers import DiLoCoTrainer, LocalSGDTrainer, Node, NodeJob
 from utils.config import load_config
+from utils.model_state import float_state
 
 
 def tiny_model(seed=0):

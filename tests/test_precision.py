@@ -60,8 +60,9 @@ def test_fp16_with_a_loss_scaler_per_node_trains_and_checkpoints_the_scale(tiny_
 
 def test_fp16_node_step_unscales_gradients_and_skips_an_overflow(tiny_config):
     """The scaled backward, unscale before clipping, a skipped step when a gradient overflows."""
-    from fabrics.dataset_loader import load_corpus
-    from fabrics.models import build_model, float_state
+    from fabrics.corpus import load_corpus
+    from fabrics.models import build_model
+    from utils.model_state import float_state
 
     cfg = tiny_config("precision=fp16")
     data = load_corpus(cfg)

@@ -31,7 +31,7 @@ class MemoryMonitor:
         self.columns = ["outer_step", "stage", "process_rss_mib", "system_used_mib", "system_available_mib"]
         for d in self.cuda_devices:
             self.columns += [f"{d}_allocated_mib", f"{d}_reserved_mib", f"{d}_peak_mib"]
-        from training_logs.training_monitoring import start_csv
+        from training_logs.csv_files import start_csv
 
         start_csv(self.csv_path, self.columns, resume_step)
         with self.csv_path.open(newline="") as f:  # the rows kept on a resume, for the plot

@@ -16,7 +16,7 @@ COLUMNS = ["outer_step", "trainer_id", "node_id", "inner_step", "loss", "micro_b
 
 class StepLossLogger:
     def __init__(self, path: Path, resume_step: int | None = None) -> None:
-        from training_logs.training_monitoring import start_csv
+        from training_logs.csv_files import start_csv
 
         self.path = path
         self._lock = threading.Lock()

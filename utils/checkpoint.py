@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from fabrics.models import load_float_state
 from utils.errors import UserError
+from utils.model_state import load_float_state
 from utils.safe_write import safetensors_save, torch_save, why_write_failed, write_atomic  # noqa: F401
 
 log = logging.getLogger(__name__)

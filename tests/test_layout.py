@@ -1,0 +1,66 @@
+"""The layers point one way and no modules import each other in a circle (imports inside functions count)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("algorithms", "utils", "fabrics", "distributed", "training_logs", "gradient_analysis", "c4", "benchmarks")
+TOP = ("cluster", "trainers", "rounds", "run")
+# algorithms/ and utils/ are the floors: they never import the floors above them
+LOWER = {"algorithms": ("algorithms",), "utils": ("utils", "algorithms")}
+
+
+def _project_modules() -> dict[str, Path]:
+    modules = {name: ROOT / f"{name}.py" for name in TOP}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name != "__init__.py":
+                modules[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    return modules
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _project_modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def test_lower_floors_never_import_upper_ones():
+    wrong = [f"{module} imports {target}" for module, targets in _graph().items()
+             for floor, allowed in LOWER.items() if module.startswith(floor + ".")
+             for target in targets if target.split(".")[0] not in allowed]
+    assert not wrong, wrong
+
+
+def test_no_import_circles():
+    graph, circles = _graph(), []
+
+    def visit(module: str, path: list[str], done: set[str]) -> None:
+        for target in sorted(graph[module]):
+            if target in path:
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in done:
+                visit(target, path + [target], done)
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module], done)
+    assert not circles, circles
+
+
+def test_the_graph_is_read():  # the checks above look at real imports, not an empty graph
+    graph = _graph()
+    assert "rounds" in graph["distributed.backend"] and "utils.model_state" in graph["utils.checkpoint"]
