@@ -150,7 +150,7 @@ def training_flops(model, tokens: int, seq_len: int) -> float:
 
 def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
     """One real cluster: time the pieces of its rounds and its memory against the expected bytes."""
-    import cluster as cluster_module
+    import rounds as rounds_module
     from cluster import ClusterController
     from training_logs.memory_monitor import MemoryMonitor
     from training_logs.trackers import TrackerGroup
@@ -179,8 +179,8 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
             return wrapper
 
         cluster.backend.run_round = timed("round", run_round)
-        trainer_statistics = cluster_module.trainer_statistics
-        cluster_module.trainer_statistics = timed("statistics", trainer_statistics)
+        trainer_statistics = rounds_module.trainer_statistics
+        rounds_module.trainer_statistics = timed("statistics", trainer_statistics)
         cluster.evaluator.evaluate = timed("eval", evaluate)
         for trainer in cluster.trainers.values():
             trainer.outer_step = timed("outer", trainer.outer_step)
@@ -195,7 +195,7 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
                 times["merge"] += time.perf_counter() - t - (times["eval"] - evaluating)
                 times["total"] += time.perf_counter() - start
         finally:
-            cluster_module.trainer_statistics = trainer_statistics
+            rounds_module.trainer_statistics = trainer_statistics
         times["tokens"] = cluster.tokens_total
         peak = max(r["process_rss_mib"] for r in logger.memory.rows) * MiB if logger.memory.rows else 0
         rss1 = max(proc.memory_info().rss, peak)
