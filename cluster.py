@@ -27,8 +27,10 @@ import torch
 from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
-from algorithms.calc_batch import build_batch_test
+from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test, statistics_payload_bytes
+from algorithms.outer_sync import OuterSync
 from algorithms.policies import build_merge_policy
+from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
@@ -55,12 +57,14 @@ class RoundBackend:
     of its trainer's mean; a stop request (RoundAbandoned) is raised once every node has left its round.
     """
 
-    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu") -> None:
+    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu",
+                 sync: OuterSync | None = None, statistics_wire: torch.dtype = torch.float64) -> None:
         self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
+        self.sync, self.statistics_wire = sync or OuterSync(), statistics_wire
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
     def _run_one(self, job: NodeJob) -> NodeResult | NodeFault:
-        return run_node(self.nodes[job.node_id], job)
+        return run_node(self.nodes[job.node_id], job, self.sync)
 
     def run_round(self, jobs: list[NodeJob]) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         if self.pool is None:
@@ -76,7 +80,9 @@ class RoundBackend:
             if abandoned is not None:
                 raise abandoned
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
-        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device), faults
+        masters = {j.trainer_id: j.master for j in jobs}
+        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
+                       self.statistics_wire, self.sync, masters), faults
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""
@@ -85,8 +91,15 @@ class RoundBackend:
     def gather_optimizer_states(self, local: list) -> list:
         return local
 
-    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights") -> None:
-        """Every trainer's state is in this process: nothing travels (Traffic counts what would)."""
+    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",
+                 compression: OuterSync | None = None) -> None:
+        """Every trainer's state is in this process: nothing travels (Traffic counts what would). A lossy
+        `compression` (merge_compression) still changes the state as its receiver would decode it."""
+        if compression is None or compression.exact:
+            return
+        for t, source, target in moves:
+            if source != target:
+                trainers[t].load_transfer(compression.round_trip(trainers[t].transfer_tensors()))
 
     def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator: Evaluator) -> dict:
         return {t: evaluator.evaluate(weights) for t, (_, weights) in holders.items()}
@@ -224,19 +237,37 @@ class ClusterController:
         eval_device = cfg.devices[0] if local is None else self.nodes[local].device
         self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device,
                                    self.precision)
+        # communication (README "Communication"): how the outer sync, merges and the batch statistics travel
+        self.outer_sync = OuterSync(cfg.outer_compression, cfg.error_feedback, cfg.topk_fraction)
+        self.merge_sync = OuterSync(cfg.merge_compression)
+        self.statistics_wire = STATISTICS_WIRE[cfg.statistics_comm]
+        self.sketch = None
+        if cfg.statistics_comm == "sketch" and self.grad_chunks:
+            saved = (resume_state or {}).get("sketch")  # the run's own sketch, whatever derives it today
+            self.sketch = CountSketch(cfg.statistics_sketch_dim, saved["coefficients"] if saved
+                                      else sketch_coefficients(cfg.training_seed * 1_000_003 + 991))
+        for node in self.nodes:
+            node.sketch = self.sketch
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.sample_numel = self.sketch.dim if self.sketch is not None else trainable  # length of a gradient sample
         if local is None:
-            self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes, self.master_device)
+            self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes, self.master_device,
+                                        self.outer_sync, self.statistics_wire)
         else:
             from distributed import torchrun
             from distributed.backend import DistributedBackend
 
             floats = float_state(model)
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             shapes = {k: v.shape for k, v in floats.items()}
-            self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, trainable,
+            self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, self.sample_numel,
                                               self.pool_within_nodes, torchrun.comm_device(cfg, dist_env),
-                                              torchrun.store(), self.master_device)
+                                              torchrun.store(), self.master_device, self.statistics_wire,
+                                              self.outer_sync)
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
+        # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
+        self.sync_bytes = self.outer_sync.payload_bytes(self.param_bytes // 4)
+        self.statistics_bytes = statistics_payload_bytes(self.sample_numel, self.pool_within_nodes,
+                                                         self.statistics_wire)
         self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
         self.tokens_total = 0
         self.last_outer_step = 0
@@ -262,6 +293,8 @@ class ClusterController:
         return {"owner": dict(self.owner), "holds": dict(self.holds), "traffic": dataclasses.asdict(self.traffic),
                 "samplers": {t: tr.sampler.state_dict() for t, tr in self.trainers.items()},
                 "optimizers": [n.optimizer_state() for n in self.nodes],
+                "residuals": [None if n.residual is None else n.residual.detach().to("cpu", copy=True)
+                              for n in self.nodes],
                 "rng": rng_state(cuda=any(d.startswith("cuda") for d in self.cfg.devices))}
 
     def _restore_round(self, state: dict) -> None:
@@ -272,6 +305,9 @@ class ClusterController:
                 self.trainers[t].sampler.load_state_dict(sampler)
         for node, optimizer in zip(self.nodes, state["optimizers"]):
             node.load_optimizer_state(optimizer)
+        for node, residual in zip(self.nodes, state.get("residuals") or [None] * len(self.nodes)):
+            if node.model is not None:  # under torchrun: this process's node only
+                node.residual = None if residual is None else residual.to(node.device, copy=True)
         set_rng_state(state["rng"])
 
     def state_dict(self) -> dict:
@@ -279,9 +315,11 @@ class ClusterController:
         state = self._round_state()
         if self.dist_env is not None:  # each process holds its own node's inner optimizer
             state["optimizers"] = self.backend.gather_optimizer_states(state["optimizers"][self.dist_env.rank])
+            state["residuals"] = self.backend.gather_optimizer_states(state["residuals"][self.dist_env.rank])
         return {**state, "outer_step": self.last_outer_step, "tokens_total": self.tokens_total,
                 "best_seen": self.best_seen, "initial_metric": self.initial_metric,
                 "nodes": [{"max_batch": n.max_batch} for n in self.nodes], "logger": self.logger.counters(),
+                "sketch": self.sketch.state_dict() if self.sketch is not None else None,
                 "wall_time": self.wall_before + time.time() - self._start}
 
     def load_state_dict(self, state: dict) -> None:
@@ -428,7 +466,9 @@ class ClusterController:
                 continue
             res = results[t]
             requested_before = trainer.requested_batch
-            self.traffic.trainer_sync(len(res.nodes), self.param_bytes)
+            self.traffic.trainer_sync(len(res.nodes), self.sync_bytes, gathered=not self.outer_sync.exact)
+            if res.statistics is not None:
+                self.traffic.statistics(len(res.nodes), self.statistics_bytes)
             self._seen(evaluation.value)
             decision = self.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),
                                        tokens_seen=self.tokens_total)
@@ -456,8 +496,9 @@ class ClusterController:
         others = [self.trainers[m] for m in plan.members[1:]]
         # the absorbed states travel to the survivor's first node, which computes the average
         coordinator = min((n for n, t in self.owner.items() if t == plan.survivor), default=self._holder(plan.survivor))
-        moved = sum(o.transfer_bytes() for o in others)
-        self.backend.transfer([(m, self._holder(m), coordinator) for m in plan.members[1:]], self.trainers)
+        moved = sum(self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others)
+        self.backend.transfer([(m, self._holder(m), coordinator) for m in plan.members[1:]], self.trainers,
+                              compression=self.merge_sync)
         survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used
         for other in others:
             del self.trainers[other.trainer_id]

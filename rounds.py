@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.calc_batch import GradientStatistics, trainer_statistics
+from algorithms.outer_sync import OuterSync
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,10 @@ def check_finite(result: NodeResult) -> NodeFault | None:
     return None
 
 
-def run_node(node: Node, job: NodeJob) -> NodeResult | NodeFault:
-    """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes)."""
+def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeResult | NodeFault:
+    """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes).
+    A compressed outer sync encodes the node's pseudo-gradient here, on the node, and updates its residual
+    (a round that is rolled back restores the residual with the rest of the round's state)."""
     try:
         result = node.run(job)
     except RoundAbandoned:
@@ -65,23 +68,31 @@ def run_node(node: Node, job: NodeJob) -> NodeResult | NodeFault:
     fault = check_finite(result)
     if fault is not None and job.inject_fault:
         fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
+    if fault is None and sync is not None and not sync.exact:
+        result.payload, node.residual = sync.encode(job.master, result.state, node.residual)
     return fault or result
 
 
-def combine(results: list[NodeResult], within_node: bool, device: str = "cpu") -> dict[int, RoundResult]:
+def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: torch.dtype = torch.float64,
+            sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None
+            ) -> dict[int, RoundResult]:
     """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
-    order; and the batch test's statistics from the nodes' samples."""
+    order (compressed: master minus the mean of the decoded pseudo-gradients, `masters` giving each trainer's);
+    and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype)."""
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
     combined = {}
     for trainer_id, group in by_trainer.items():
-        mean = {}
-        for name in group[0].state:
-            acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32, device=device)
-            for r in group:
-                acc += r.state[name].detach().to(device, torch.float32)
-            mean[name] = acc / len(group)
+        if sync is not None and not sync.exact:
+            mean = sync.node_mean(masters[trainer_id], [r.payload for r in group])
+        else:
+            mean = {}
+            for name in group[0].state:
+                acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32, device=device)
+                for r in group:
+                    acc += r.state[name].detach().to(device, torch.float32)
+                mean[name] = acc / len(group)
         combined[trainer_id] = RoundResult(
             node_mean=mean, nodes=[r.node_id for r in group],
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
@@ -90,5 +101,5 @@ def combine(results: list[NodeResult], within_node: bool, device: str = "cpu") -
             learning_rate=group[0].learning_rate)
         samples = [(r.grad_samples, r.sample_batches) for r in group if r.grad_samples is not None]
         if samples:
-            combined[trainer_id].statistics = trainer_statistics(samples, within_node)
+            combined[trainer_id].statistics = trainer_statistics(samples, within_node, wire)
     return combined

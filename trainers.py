@@ -54,9 +54,10 @@ class NodeResult:
     state: dict[str, torch.Tensor]  # the node's final weights (references into its replica)
     step_losses: list[float]  # mean loss of each optimizer step
     tokens: int
-    grad_samples: torch.Tensor | None = None  # [k, P] fp32, on the node's device (never copied to the host)
+    grad_samples: torch.Tensor | None = None  # [k, P] fp32 (or [k, sketch dim] fp64), on the node's device
     sample_batches: torch.Tensor | None = None  # [k] sequences behind each gradient sample
     learning_rate: float = 0.0
+    payload: torch.Tensor | None = None  # compressed outer sync: the encoded pseudo-gradient (uint8)
 
 
 class Node:
@@ -73,6 +74,11 @@ class Node:
         self.max_batch = 0
         self.show_progress = False  # an inner-step progress bar (config inner_progress)
         self.stop = threading.Event()  # set by a stop request: leave the round at the next inner step
+        self.sketch = None  # statistics_comm sketch: the count sketch its gradient samples go through
+        # compressed outer sync with error feedback: what compression dropped from this node's last
+        # pseudo-gradients (fp32, flat). It stays with the node when it serves another trainer (a merge
+        # made that trainer from this one's state) and is checkpointed with the node.
+        self.residual: torch.Tensor | None = None
 
     def optimizer_state(self) -> dict | None:
         """A copy of the inner optimizer's state (and fp16 loss scale) on the CPU; None before the first round."""
@@ -180,6 +186,8 @@ class Node:
                 bar.update()
         if bar is not None:
             bar.close()
+        if grad_samples is not None and self.sketch is not None:
+            grad_samples = self.sketch(grad_samples)  # on this node, before anything travels
         tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
         step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
         return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,

@@ -121,25 +121,43 @@ class NodeGradientSums:
         return cls(weighted_sum, None if within_node else g.sum(0), float(b.sum()), float((b * sq).sum()),
                    float(sq.sum()), len(b), int(within_node), weighted_dev, plain_dev)
 
-    def pack(self) -> torch.Tensor:
-        """One fp64 buffer [weighted_sum, plain_sum (nodes estimator only), scalars]: a single all-reduce
-        (SUM) adds up the nodes."""
-        scalars = [self.batch, self.weighted_sq, self.plain_sq, self.count, self.groups, self.weighted_dev,
-                   self.plain_dev]
+    # What crosses the network, in two reductions (SUM): first the vectors and the batch, in the wire dtype
+    # of statistics_comm (the batch is a small whole number, exact in fp32); then, once the trainer's
+    # mean is known, the scalars and this node's inner sum, always fp64 (the nodes estimator subtracts
+    # two of them, which fp32 would not survive).
+    def vectors(self, wire: torch.dtype = torch.float64) -> torch.Tensor:
+        """[weighted_sum, plain_sum (nodes estimator only), batch] in the wire dtype."""
         vectors = [self.weighted_sum] + ([self.plain_sum] if self.plain_sum is not None else [])
-        return torch.cat([*vectors, torch.tensor(scalars, dtype=torch.float64, device=self.weighted_sum.device)])
+        batch = torch.tensor([self.batch], dtype=torch.float64, device=self.weighted_sum.device)
+        return torch.cat([*vectors, batch]).to(wire)
 
     @staticmethod
-    def packed_size(numel: int, within_node: bool) -> int:
-        return numel * (1 if within_node else 2) + 7
+    def vectors_size(numel: int, within_node: bool) -> int:
+        return numel * (1 if within_node else 2) + 1
+
+    SCALARS = 7  # weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev, inner
+
+    def scalars(self, inner: float) -> torch.Tensor:
+        return torch.tensor([self.weighted_sq, self.plain_sq, self.count, self.groups, self.weighted_dev,
+                             self.plain_dev, inner], dtype=torch.float64)
+
+    @staticmethod
+    def reduced_mean(vectors: torch.Tensor, within_node: bool) -> torch.Tensor:
+        """The trainer's b-weighted mean from the summed vectors (fp64)."""
+        p = (vectors.numel() - 1) // (1 if within_node else 2)
+        vectors = vectors.double()
+        return vectors[:p] / vectors[-1]
 
     @classmethod
-    def unpack(cls, buffer: torch.Tensor, within_node: bool) -> NodeGradientSums:
-        p = (buffer.numel() - 7) // (1 if within_node else 2)
-        vectors = 1 if within_node else 2
-        batch, weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev = buffer[vectors * p:].tolist()
-        return cls(buffer[:p], None if within_node else buffer[p:2 * p], batch, weighted_sq, plain_sq, round(count),
-                   round(groups), weighted_dev, plain_dev)
+    def from_reduced(cls, vectors: torch.Tensor, scalars: torch.Tensor,
+                     within_node: bool) -> tuple[NodeGradientSums, float]:
+        """The trainer's summed shares and summed inner sums, from the two reduced buffers."""
+        p = (vectors.numel() - 1) // (1 if within_node else 2)
+        vectors = vectors.double()
+        weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev, inner = scalars.tolist()
+        total = cls(vectors[:p], None if within_node else vectors[p:2 * p], float(vectors[-1]), weighted_sq, plain_sq,
+                    round(count), round(groups), weighted_dev, plain_dev)
+        return total, inner
 
     def to(self, device: torch.device | str) -> NodeGradientSums:
         return dataclasses.replace(self, weighted_sum=self.weighted_sum.to(device),
@@ -170,19 +188,32 @@ class NodeGradientSums:
         return GradientStatistics(mean, sq_norm, weighted_dev, plain_dev, inner, ortho_dev, dof)
 
 
-def trainer_statistics(node_samples: list[tuple[torch.Tensor, torch.Tensor]], within_node: bool) -> GradientStatistics:
+STATISTICS_WIRE = {"fp64": torch.float64, "fp32": torch.float32, "sketch": torch.float64}  # statistics_comm
+
+
+def statistics_payload_bytes(numel: int, within_node: bool, wire: torch.dtype = torch.float64) -> int:
+    """Bytes one node puts into its trainer's two statistics reductions (numel: length of a sample)."""
+    element = torch.empty(0, dtype=wire).element_size()
+    return NodeGradientSums.vectors_size(numel, within_node) * element + NodeGradientSums.SCALARS * 8
+
+
+def trainer_statistics(node_samples: list[tuple[torch.Tensor, torch.Tensor]], within_node: bool,
+                       wire: torch.dtype = torch.float64) -> GradientStatistics:
     """A trainer's statistics from its nodes' samples (each on its node's device), in one process: the
-    same two reductions as across processes (node sums, then the inner sums), added on the first node's
-    device, so no sample is stacked or copied to the host."""
+    same two reductions as across processes (vectors in the wire dtype, then the fp64 scalars), added in
+    node order on the first node's device, so no sample is stacked or copied to the host."""
     node_samples = [(g.double(), b) for g, b in node_samples]  # once: both passes below read fp64
     shares = [NodeGradientSums.of(g, b, within_node) for g, b in node_samples]
     device = shares[0].weighted_sum.device
-    total = shares[0]
+    vectors = shares[0].vectors(wire)
     for share in shares[1:]:
-        total = total + share.to(device)
-    mean = total.weighted_sum / total.batch
-    inner = sum(share.inner_sum(g, b, mean.to(g.device), within_node)
-                for share, (g, b) in zip(shares, node_samples))
+        vectors = vectors + share.vectors(wire).to(device)
+    mean = NodeGradientSums.reduced_mean(vectors, within_node)
+    scalars = None
+    for share, (g, b) in zip(shares, node_samples):
+        part = share.scalars(share.inner_sum(g, b, mean.to(g.device), within_node))
+        scalars = part if scalars is None else scalars + part
+    total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
     return total.statistics(inner, within_node)
 
 

@@ -8,12 +8,17 @@ syncs               per-trainer all-reduces that actually cross nodes (a trainer
 allreduce_bytes     a ring all-reduce of the fp32 pseudo-gradients among a trainer's n nodes: each node
                     sends 2 (n-1)/n x P, so 2 (n-1) x P in all; 0 for n = 1. Every node then applies the
                     same outer step to its own copy of the trainer's weights, so no weights move.
+                    With outer_compression, each node's encoded pseudo-gradient C (values, scales,
+                    indices) is all-gathered instead: n (n-1) x C in all.
 merge_bytes         the absorbed trainers' fp32 weights (and outer momentum, when it exists) travel to
-                    the survivor's first node, which computes the weighted average.
+                    the survivor's first node, which computes the weighted average (encoded by
+                    merge_compression, when set).
 node_move_bytes     a node that starts a round from weights it does not hold (it joined another trainer,
                     or its trainer was merged on another node) receives them: P. The common initial
                     weights are not counted.
 bytes_communicated  allreduce_bytes + merge_bytes + node_move_bytes.
+statistics_bytes    the batch tests' two reductions per trainer and round (2 (n-1) x each node's payload),
+                    counted apart: they are the price of adaptive batching, not of the outer sync.
 """
 
 from __future__ import annotations
@@ -34,16 +39,23 @@ class Traffic:
     merge_bytes: int = 0
     node_move_bytes: int = 0
     node_moves: int = 0
+    statistics_bytes: int = 0  # the batch tests' reductions; not part of bytes_communicated (#7's weights traffic)
 
     @property
     def bytes_communicated(self) -> int:
         return self.allreduce_bytes + self.merge_bytes + self.node_move_bytes
 
-    def trainer_sync(self, num_nodes: int, payload_bytes: int) -> None:
-        """One trainer's outer step over `num_nodes` nodes."""
+    def trainer_sync(self, num_nodes: int, payload_bytes: int, gathered: bool = False) -> None:
+        """One trainer's outer step over `num_nodes` nodes: a ring all-reduce of the fp32 payload, or (gathered,
+        a compressed sync) an all-gather of each node's encoded payload, n (n - 1) x payload in all."""
         if num_nodes > 1:
             self.syncs += 1
-            self.allreduce_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
+            self.allreduce_bytes += (num_nodes * (num_nodes - 1) * payload_bytes if gathered
+                                     else ring_allreduce_bytes(num_nodes, payload_bytes))
+
+    def statistics(self, num_nodes: int, payload_bytes: int) -> None:
+        """One trainer's batch-test statistics: ring all-reduces of each node's `payload_bytes`."""
+        self.statistics_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
 
     def merge(self, moved_bytes: int) -> None:
         self.syncs += 1

@@ -8,10 +8,15 @@ says which). What crosses the network, per round:
 - per trainer, within its own process group (created identically on every rank, cached by member set):
   one fp32 all-reduce (SUM) of the node weights, divided by the number of good nodes; every member then
   applies the same outer step to its own copy. A one-node trainer sends nothing;
-- per trainer, the batch test's sums (`NodeGradientSums.pack()`, one fp64 buffer: the b-weighted gradient
-  sum, plus the plain sum for the nodes estimator, plus 7 scalars) and one scalar, within
-  the same group; the trainer's first node shares the resulting scalars with every rank (they take the
-  same decision);
+  With outer_compression, each node instead encodes its pseudo-gradient (algorithms/outer_sync.py) and
+  the group all-gathers the encoded payloads (values, scales, indices: what really crosses); every member
+  decodes them all and averages in node-id order, as the simulated cluster does. All-gather rather than
+  reduce-scatter + all-gather: no member re-quantizes a partial sum, so both backends give the same numbers;
+  it sends n (n-1) x C in all instead of 2 (n-1) x C, the same for the 2-node trainers merges make;
+- per trainer, the batch test's sums within the same group: the vectors (`NodeGradientSums.vectors`: the
+  b-weighted gradient sum, plus the plain sum for the nodes estimator, plus the batch; in the wire dtype
+  of statistics_comm, of sketch dimension with the count sketch), then 7 fp64 scalars; the trainer's
+  first node shares the resulting scalars with every rank (they take the same decision);
 - `transfer`: a node that starts a round from a state it does not hold receives it from a process that
   holds it (send/recv: exactly the trainer's `transfer_bytes`); merges bring the absorbed trainers'
   states to the survivor's first node the same way, and checkpoints bring every trainer to rank 0.
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
+from algorithms.outer_sync import OuterSync
 from rounds import NodeFault, RoundResult, run_node
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
@@ -38,12 +44,15 @@ from utils.errors import UserError
 class DistributedBackend:
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
                  grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
-                 master_device: str = "cpu") -> None:
+                 master_device: str = "cpu", statistics_wire: torch.dtype = torch.float64,
+                 sync: OuterSync | None = None) -> None:
         self.nodes, self.rank = nodes, rank
         self.world_size = dist.get_world_size()
         self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
         self.numel = sum(shapes[n].numel() for n in names)
-        self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters)
+        self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters, or the sketch's k)
+        self.statistics_wire = statistics_wire  # statistics_comm: the dtype the statistics' vectors travel in
+        self.sync = sync or OuterSync()  # outer_compression and error feedback
         self.within_node = within_node
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
         self.master_device = master_device  # where the trainers' masters (and so the node mean) live
@@ -85,6 +94,17 @@ class DistributedBackend:
         n = len(members)
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return on_device
+
+    def _all_gather(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> list[torch.Tensor]:
+        """Every member's tensor (same size everywhere), in the order of `members`."""
+        start = time.perf_counter()
+        on_device = tensor.to(self.comm_device)
+        parts = [torch.empty_like(on_device) for _ in members]
+        dist.all_gather(parts, on_device, group=self._group(members))
+        if on_device.is_cuda:
+            torch.cuda.synchronize(on_device.device)
+        self._count(kind, (len(members) - 1) * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
+        return parts
 
     def _arrive(self) -> None:
         """Mark this rank as having reached the next world collective (read only when one fails)."""
@@ -137,7 +157,7 @@ class DistributedBackend:
         job = next(j for j in jobs if j.node_id == self.rank)
         abandoned, outcome = False, None
         try:
-            outcome = run_node(self.nodes[self.rank], job)
+            outcome = run_node(self.nodes[self.rank], job, self.sync)
         except RoundAbandoned:
             abandoned = True
         good = isinstance(outcome, NodeResult)
@@ -158,11 +178,17 @@ class DistributedBackend:
         mine = job.trainer_id
         good_facts = {t: [f for f in facts if f["trainer_id"] == t and f["losses"] is not None] for t in trainers}
         node_mean, statistics = None, None
-        if good_facts[mine]:
+        if good_facts[mine] and self.sync.exact:
             weights = self._flat(outcome.state if good else None)
             if len(members[mine]) > 1:
                 weights = self._all_reduce(weights, members[mine], "weights")
             node_mean = self._unflat(weights.to(self.master_device) / len(good_facts[mine]))
+        elif good_facts[mine]:  # compressed: every member decodes every good node's payload
+            payload = outcome.payload if good else torch.zeros(self.sync.payload_bytes(self.numel), dtype=torch.uint8)
+            parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
+            node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(f["node_id"])]
+                                                         for f in good_facts[mine]])
+        if good_facts[mine]:
             if any(f["has_samples"] for f in good_facts[mine]):
                 statistics = self._statistics(outcome if good else None, members[mine])
         # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.
@@ -185,45 +211,56 @@ class DistributedBackend:
         return results, faults
 
     def _statistics(self, outcome: NodeResult | None, members: tuple[int, ...]):
-        """The trainer's batch-test statistics: one packed all-reduce of the nodes' sums, one of a scalar."""
+        """The trainer's batch-test statistics: the nodes' vectors all-reduced in the wire dtype, then their
+        fp64 scalars (with each node's inner sum, which needs the trainer's mean first)."""
         have = outcome is not None and outcome.grad_samples is not None
         if have:
             samples = outcome.grad_samples.double()  # once: both passes read fp64
             share = NodeGradientSums.of(samples, outcome.sample_batches, self.within_node)
-            buffer = share.pack()
+            vectors = share.vectors(self.statistics_wire)
         else:  # this node failed: it adds nothing, but takes part in its group's reductions
-            size = NodeGradientSums.packed_size(self.grad_numel, self.within_node)
-            buffer = torch.zeros(size, dtype=torch.float64, device=self.comm_device)
+            size = NodeGradientSums.vectors_size(self.grad_numel, self.within_node)
+            vectors = torch.zeros(size, dtype=self.statistics_wire, device=self.comm_device)
         if len(members) > 1:
-            buffer = self._all_reduce(buffer, members, "statistics")
-        total = NodeGradientSums.unpack(buffer, self.within_node)
-        mean = total.weighted_sum / total.batch
-        inner = torch.tensor([share.inner_sum(samples, outcome.sample_batches, mean.to(samples.device),
-                                              self.within_node)
-                              if have else 0.0], dtype=torch.float64)
+            vectors = self._all_reduce(vectors, members, "statistics")
+        mean = NodeGradientSums.reduced_mean(vectors, self.within_node)
+        scalars = (share.scalars(share.inner_sum(samples, outcome.sample_batches, mean.to(samples.device),
+                                                 self.within_node))
+                   if have else torch.zeros(NodeGradientSums.SCALARS, dtype=torch.float64))
         if len(members) > 1:
-            inner = self._all_reduce(inner, members, "statistics")
-        return total.statistics(float(inner), self.within_node)
+            scalars = self._all_reduce(scalars, members, "statistics")
+        total, inner = NodeGradientSums.from_reduced(vectors, scalars.cpu(), self.within_node)
+        return total.statistics(inner, self.within_node)
 
     # -------------------------------------------------------------------------------------------
-    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights") -> None:
+    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",
+                 compression: OuterSync | None = None) -> None:
         """(trainer, from node, to node), in the same order on every rank: the sender's trainer state
         (`transfer_tensors`) replaces the receiver's copy. Blocking pairs in one global order cannot deadlock.
-        kind: weights (node moves, merges: #7's traffic) or checkpoint (to rank 0, for writing)."""
+        kind: weights (node moves, merges: #7's traffic) or checkpoint (to rank 0, for writing).
+        compression: a lossy merge_compression encodes what travels; the receiver decodes it."""
+        lossy = compression is not None and not compression.exact
         for t, source, target in moves:
             if self.rank not in (source, target) or source == target:
                 continue
             trainer = trainers[t]
+            numel = trainer.transfer_bytes() // 4
             start = time.perf_counter()
             try:
                 if self.rank == source:
-                    flat = torch.cat([x.detach().reshape(-1) for x in trainer.transfer_tensors()]).to(self.comm_device)
+                    flat = torch.cat([x.detach().reshape(-1) for x in trainer.transfer_tensors()])
+                    if lossy:
+                        flat = compression.compressor.encode(flat)
+                    flat = flat.to(self.comm_device)
                     dist.send(flat, dst=target)
                     self._count(kind, flat.numel() * flat.element_size(), time.perf_counter() - start)
                 else:
-                    flat = torch.empty(trainer.transfer_bytes() // 4, dtype=torch.float32, device=self.comm_device)
+                    if lossy:
+                        flat = torch.empty(compression.payload_bytes(numel), dtype=torch.uint8, device=self.comm_device)
+                    else:
+                        flat = torch.empty(numel, dtype=torch.float32, device=self.comm_device)
                     dist.recv(flat, src=source)
-                    trainer.load_transfer(flat.cpu())
+                    trainer.load_transfer(compression.compressor.decode(flat.cpu(), numel) if lossy else flat.cpu())
                     self.round_comm["seconds"] += time.perf_counter() - start
             except RuntimeError as exc:
                 raise collective_failed(self.rank, exc, [source if self.rank == target else target]) from None

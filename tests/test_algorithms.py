@@ -16,6 +16,7 @@ from algorithms.calc_batch import (
     NormTest,
     build_batch_test,
     statistics_of,
+    statistics_payload_bytes,
     trainer_statistics,
 )
 from algorithms.policies import BestWithWorst, MergePlan, WorstWithWorst, batch_weights, weighted_average
@@ -58,14 +59,21 @@ def test_node_sums_give_the_same_statistics_as_the_samples(within_node):
 
 
 @pytest.mark.parametrize("within_node", [True, False])
-def test_node_sums_pack_into_one_buffer(within_node):
+@pytest.mark.parametrize("wire", [torch.float64, torch.float32])
+def test_node_sums_travel_as_vectors_then_scalars(within_node, wire):
     share = NodeGradientSums.of(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([1.0, 3.0]), within_node)
-    back = NodeGradientSums.unpack(share.pack(), within_node)
+    vectors, scalars = share.vectors(wire), share.scalars(inner=5.0)
     # the micro_batches estimator measures deviations on the node: no plain sum travels
-    assert share.pack().shape == ((1 if within_node else 2) * 2 + 7,)
-    assert share.pack().numel() == NodeGradientSums.packed_size(2, within_node)
-    assert (share.plain_sum is None) == within_node
-    assert vars(back).keys() == vars(share).keys()
+    assert vectors.dtype == wire and vectors.shape == ((1 if within_node else 2) * 2 + 1,)
+    assert vectors.numel() == NodeGradientSums.vectors_size(2, within_node)
+    assert scalars.dtype == torch.float64 and scalars.numel() == NodeGradientSums.SCALARS
+    assert statistics_payload_bytes(2, within_node, wire) == vectors.numel() * vectors.element_size() + 7 * 8
+    back, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
+    assert inner == 5.0 and (share.plain_sum is None) == within_node
+    # 1*[1, 2] + 3*[3, 4] = [10, 14]; batch 4; every value is exact in fp32 too
+    assert back.weighted_sum.tolist() == [10.0, 14.0] and back.batch == 4.0
+    expected_mean = torch.tensor([2.5, 3.5], dtype=torch.float64)
+    assert torch.equal(NodeGradientSums.reduced_mean(vectors, within_node), expected_mean)
     assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(vars(back).values(),
                                                                                    vars(share).values()))
 
@@ -324,5 +332,15 @@ def test_traffic_counts_only_cross_node_syncs():
     traffic.trainer_sync(3, 1000)
     traffic.merge(2000)
     traffic.node_move(1000)
+    traffic.statistics(2, 100)  # 2 nodes, 100 bytes each: 2 (n-1) x 100, apart from the weights traffic
+    traffic.statistics(1, 100)  # a one-node trainer reduces nothing
     assert traffic.row() == {"rounds": 0, "syncs": 2, "allreduce_bytes": 4000, "merge_bytes": 2000,
-                             "node_move_bytes": 1000, "node_moves": 1, "bytes_communicated": 7000}
+                             "node_move_bytes": 1000, "node_moves": 1, "statistics_bytes": 200,
+                             "bytes_communicated": 7000}
+
+
+def test_a_compressed_sync_counts_an_all_gather_of_the_payload():
+    traffic = Traffic()
+    traffic.trainer_sync(3, 100, gathered=True)  # each of 3 nodes sends its 100 bytes to the 2 others
+    traffic.trainer_sync(1, 100, gathered=True)
+    assert (traffic.syncs, traffic.allreduce_bytes) == (1, 600)

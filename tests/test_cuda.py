@@ -116,7 +116,7 @@ def test_batch_statistics_on_the_device_equal_the_cpu_ones(within_node):
     sizes = torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0, 4.0], dtype=torch.float64)
     on_cpu = NodeGradientSums.of(grads, sizes, within_node)
     on_gpu = NodeGradientSums.of(grads.cuda(), sizes.cuda(), within_node)
-    cpu_buffer, gpu_buffer = on_cpu.pack(), on_gpu.pack()
+    cpu_buffer, gpu_buffer = on_cpu.vectors(), on_gpu.vectors()
     assert gpu_buffer.is_cuda
     torch.testing.assert_close(gpu_buffer.cpu(), cpu_buffer, rtol=1e-6, atol=1e-9)
     mean = on_cpu.weighted_sum / on_cpu.batch

@@ -41,13 +41,13 @@ def worker(rank: int, store: str, out: str) -> None:
         results = {}
         for within_node in (True, False):
             share = NodeGradientSums.of(grads, sizes, within_node)
-            buffer = share.pack()
-            dist.all_reduce(buffer)  # one vector all-reduce: the b-weighted gradient sum plus scalars
-            total = NodeGradientSums.unpack(buffer, within_node)
-            mean = total.weighted_sum / total.batch
-            inner = torch.tensor([share.inner_sum(grads, sizes, mean, within_node)], dtype=torch.float64)
-            dist.all_reduce(inner)  # then one scalar
-            stats = total.statistics(float(inner), within_node)
+            vectors = share.vectors()
+            dist.all_reduce(vectors)  # one vector all-reduce: the b-weighted gradient sum(s) and the batch
+            mean = NodeGradientSums.reduced_mean(vectors, within_node)
+            scalars = share.scalars(share.inner_sum(grads, sizes, mean, within_node))
+            dist.all_reduce(scalars)  # then the scalars
+            total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
+            stats = total.statistics(inner, within_node)
             decisions = {name: test(stats, 1, WORLD) for name, test in batch_tests().items()}
             results[str(within_node)] = {name: d.stats | {"batch": d.requested_batch} for name, d in decisions.items()}
         with open(f"{out}/rank{rank}.json", "w") as f:

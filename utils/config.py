@@ -167,6 +167,27 @@ class Config:
                           "threshold_switch_mode (accumulate only above 2x max_batch), "
                           "only_gradient_accumulation, only_data_loader.",
                           choices=("threshold_switch_mode", "only_gradient_accumulation", "only_data_loader"))
+    # --- communication ---
+    statistics_comm: str = _f("fp64", "How the batch tests' statistics travel: fp64 (exact; the reference), fp32 (the "
+                              "vectors in fp32, the scalars fp64) or sketch (each node count-sketches its gradient "
+                              "samples to statistics_sketch_dim numbers first; estimates with relative error about "
+                              "sqrt(2/k)).", choices=("fp64", "fp32", "sketch"))
+    statistics_sketch_dim: int = _f(16384, "statistics_comm sketch: the sketch dimension k (every node builds the same "
+                                    "seeded count sketch).", min=1)
+    outer_compression: str = _f("none", "What each node's pseudo-gradient (trainer weights minus its own) becomes "
+                                "before its trainer averages it: none (fp32), bf16, fp8 (e4m3 with a scale per chunk "
+                                "of 1024), int8 (a scale per chunk of 1024) or topk (the topk_fraction largest "
+                                "entries: int32 indices, int8 values with a scale per chunk of 1024). Masters, the "
+                                "average and the outer optimizer stay fp32.",
+                                choices=("none", "bf16", "fp8", "int8", "topk"))
+    topk_fraction: float = _f(0.02, "outer_compression topk: the share of pseudo-gradient entries each node sends, "
+                              "in (0, 1].")
+    error_feedback: bool = _f(True, "With a lossy outer_compression: each node keeps what compression dropped "
+                              "(its residual) and adds it to its next pseudo-gradient. The residual stays with the "
+                              "node and is checkpointed.")
+    merge_compression: str = _f("none", "What the absorbed trainers' states (weights, outer momentum) become when they "
+                                "travel for a merge: none (fp32), bf16, fp8 or int8 (no error feedback: a merge is "
+                                "one-off).", choices=("none", "bf16", "fp8", "int8"))
     # --- evaluation and outputs ---
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
@@ -232,6 +253,8 @@ class Config:
         if (self.model_type == "bert") != (self.dataset == "imdb"):
             raise ConfigError("model_type", f"'{self.model_type}' does not go with dataset '{self.dataset}': "
                               "bert trains on imdb, microllama on embedded or c4")
+        if not 0 < self.topk_fraction <= 1:
+            raise ConfigError("topk_fraction", f"{self.topk_fraction} is not in (0, 1] (the share of entries sent)")
         unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
         if unknown or not self.embedded_sources:
             raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
@@ -320,7 +343,10 @@ class Config:
     def meaning(self) -> dict[str, Any]:
         """The settings that decide a run's numbers: everything but RESUME_MAY_CHANGE (max_tokens does
         decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too)."""
-        meaning = {k: v for k, v in self.to_dict().items() if k not in RESUME_MAY_CHANGE}
+        defaults = {f.name: getattr(Config(), f.name) for f in dataclasses.fields(Config) if f.name in ADDED_LATER}
+        # keys added after checkpoints were written count only when set: those checkpoints stay resumable
+        meaning = {k: v for k, v in self.to_dict().items()
+                   if k not in RESUME_MAY_CHANGE and not (k in ADDED_LATER and v == defaults[k])}
         if self.sampling_method == "linear_rampup":
             meaning["rampup_tokens"] = self.rampup_tokens or self.max_tokens
         return meaning
@@ -337,6 +363,11 @@ RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "mo
 MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffixes need the rest
 # Keys a resumed run may change (--resume RUN_DIR key=value): they do not change what is computed, only
 # how long it runs, what is recorded and how faults are handled. Everything else is fixed by the checkpoint.
+# Keys that decide numbers but came after the first checkpoint format: at their defaults they do what the
+# versions before them did, so they leave the config hash (and so --resume of older runs) unchanged.
+ADDED_LATER = frozenset({"statistics_comm", "statistics_sketch_dim", "outer_compression", "topk_fraction",
+                         "error_feedback", "merge_compression"})
+
 RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
     "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
