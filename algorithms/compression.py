@@ -98,12 +98,12 @@ class ChunkScaled(Compressor):
         chunks = _chunked(x.float())
         scales = self.scales(chunks)
         values = self.quantize(chunks / scales).reshape(-1)[:x.numel()]
-        return _to_bytes(values, scales.reshape(-1))
+        return _to_bytes(scales.reshape(-1), values)  # scales first: each part stays aligned for its view
 
     def decode(self, payload, numel):
         chunks = math.ceil(numel / CHUNK)
-        values = self.dequantize(payload[:numel])
-        scales = payload[numel:].view(torch.float32)
+        scales = payload[:4 * chunks].view(torch.float32)
+        values = self.dequantize(payload[4 * chunks:])
         padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=payload.device)
         padded[:numel] = values
         return (padded.view(chunks, CHUNK) * scales[:, None]).reshape(-1)[:numel]

@@ -57,6 +57,21 @@ def test_paths_stay_in_their_place(override, key):
         load_config(ROOT / "config.yaml", [override])
 
 
+@pytest.mark.parametrize("override, key, words", [
+    ("topk_fraction=0", "topk_fraction", "is not in (0, 1]"), ("topk_fraction=1.5", "topk_fraction", "(0, 1]"),
+    ("topk_fraction=-0.1", "topk_fraction", "(0, 1]"),
+    ("statistics_sketch_dim=0", "statistics_sketch_dim", "below the minimum 1"),
+    ("outer_compression=int4", "outer_compression", "int8"), ("statistics_comm=fp16", "statistics_comm", "sketch"),
+    ("merge_compression=topk", "merge_compression", "int8"),
+])
+def test_bad_communication_settings_stop_in_one_line_before_any_work(override, key, words, tmp_path, capsys):
+    logs = tmp_path / "logs"
+    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off", override]) == 2
+    (line,) = error_lines(capsys)
+    assert f"'{key}'" in line and words in line, line
+    assert not logs.exists()  # nothing was made
+
+
 def test_duplicate_yaml_keys_and_bad_encoding(tmp_path):
     dup = tmp_path / "dup.yaml"
     dup.write_text("lr_inner: 1.0e-3\nnum_outer_steps: 2\nlr_inner: 2.0e-3\n")

@@ -287,3 +287,31 @@ def test_machines_with_different_data_stop_naming_it(tmp_path, cache_dir):
         assert lines and all(x.startswith("error: torchrun: the processes were started with different data: "
                                           "train_corpus_sha256: ") for x in lines), err[-3000:]
         assert all("val_corpus_sha256" not in x for x in lines)  # only what differs is named
+
+
+# Communication (issue 22): int8 pseudo-gradients with error feedback, sketched batch statistics and int8 merges
+COMPRESSED = ["outer_compression=int8", "error_feedback=true", "statistics_comm=sketch", "statistics_sketch_dim=256",
+              "merge_compression=int8"]
+
+
+def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simulated_cluster(tmp_path, cache_dir):
+    """What crosses the network is the encoded payload (all-gathered) and the sketched sums: both backends
+    take the same decisions with the same numbers, and the collectives sent exactly what the accounting says."""
+    args = [*RUN, *COMPRESSED, f"cache_dir={cache_dir}", f"log_dir={tmp_path}"]
+    expected_dir, expected = train(load_config(ROOT / "config.yaml", [*args, "run_name=sim"]))
+    assert expected["merges"] == 3 and expected["batch_increases"] >= 1
+    proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *args, "run_name=dist"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_decisions(expected_dir, tmp_path / "dist")
+    got = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes"):
+        assert got[key] == expected[key], key
+    sent = got["bytes_sent_by_collectives"]
+    assert sent["weights"] == got["bytes_communicated"] and sent["statistics"] == got["statistics_bytes"] > 0
+    # each sync all-gathers every node's int8 payload (an fp32 scale per 1024 entries): n (n-1) x C, by hand
+    numel = expected["weight_bytes"] // 4
+    payload = numel + 4 * -(-numel // 1024)
+    nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]  # step 0: none
+    gathered = sum(n * (n - 1) * payload for n in nodes)
+    assert expected["allreduce_bytes"] == gathered

@@ -172,6 +172,31 @@ def test_scheduler_signals_stop_like_sigterm_and_resume_exactly(reference, tmp_p
     assert status["state"] == "completed" and status["exit_code"] == 0 and status["outer_step"] == STEPS
 
 
+COMPRESSED = ["outer_compression=int8", "error_feedback=true", "statistics_comm=sketch", "statistics_sketch_dim=256",
+              "merge_compression=int8"]
+
+
+def test_a_compressed_run_stopped_by_sigterm_resumes_bit_exactly(tmp_path, cache_dir):
+    """Error-feedback residuals are node state: a round cut by SIGTERM rolls them back with the rest, the
+    checkpoint holds them (and the sketch), and the resumed run equals the uninterrupted one bit for bit."""
+    full, _ = train(load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "a", "run_name=full",
+                                                                 f"num_outer_steps={STEPS}", *COMPRESSED)))
+    run_dir = tmp_path / "b" / "sig"
+    proc = subprocess.Popen(cli(cache_dir, tmp_path / "b", "run_name=sig", "num_outer_steps=40", *COMPRESSED),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "[outer 3/" in (run_dir / "training_log.log").read_text()
+             if (run_dir / "training_log.log").is_file() else False, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    stopped_at = latest_checkpoint(run_dir / "model_weights", load_config(run_dir / "config.yaml").meaning_hash())
+    state = torch.load(stopped_at.path / "resume_state.pt", weights_only=True)
+    assert any(r is not None and r.abs().sum() > 0 for r in state["residuals"])  # what int8 dropped, kept
+    assert state["sketch"]["dim"] == 256 and len(state["sketch"]["coefficients"]) == 8
+    run_dir, _ = resume(run_dir)
+    assert_same_run(full, run_dir)
+
+
 def test_status_json_says_how_a_run_ended(tmp_path, cache_dir):
     """completed / fault / failed, written atomically by the process that held the directory."""
     args = ["--config", str(ROOT / "config.yaml"), *TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path}"]

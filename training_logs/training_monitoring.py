@@ -27,7 +27,8 @@ COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", 
            "val_accuracy", "val_loss", "next_requested_batch",
            "test_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
            "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "rounds", "syncs", "bytes_communicated",
-           "allreduce_bytes", "merge_bytes", "node_move_bytes", "node_moves", "wall_time", "trainers_alive"]
+           "allreduce_bytes", "merge_bytes", "node_move_bytes", "node_moves", "statistics_bytes", "wall_time",
+           "trainers_alive"]
 # metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
 MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes", "metric",
                  "metric_before", "metric_weighted_before", "metric_after"]

@@ -1,0 +1,162 @@
+"""Compression of the outer sync, error feedback, the count sketch of the batch statistics: exact numbers."""
+
+import math
+
+import pytest
+import torch
+
+from algorithms.calc_batch import GradientSamples, NormTest, statistics_of
+from algorithms.compression import CHUNK, build_compressor
+from algorithms.outer_sync import OuterSync
+from algorithms.sketch import CountSketch, sketch_coefficients
+
+
+def test_int8_round_trip_by_hand():
+    codec = build_compressor("int8")
+    x = torch.tensor([1.0, -0.5, 0.25, 0.0])  # one chunk: scale = 1 / 127
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(4) == 4 + 4
+    # the scale (fp32) first, then one int8 per entry: round(-63.5) = -64 (half to even), round(31.75) = 32
+    assert payload[:4].view(torch.float32).item() == pytest.approx(1 / 127)
+    assert payload[4:].view(torch.int8).tolist() == [127, -64, 32, 0]
+    assert codec.decode(payload, 4).tolist() == pytest.approx([1.0, -64 / 127, 32 / 127, 0.0], abs=1e-7)
+
+
+@pytest.mark.parametrize("name, bound", [("int8", 0.5 / 127), ("fp8", 2 ** -4), ("bf16", 2 ** -8)])
+def test_round_trip_error_stays_within_its_bound(name, bound):
+    """int8: |error| <= scale / 2 = max|chunk| / 254; fp8 e4m3 and bf16: relative rounding 2^-4 and 2^-8."""
+    codec = build_compressor(name)
+    x = torch.randn(3 * CHUNK + 17, generator=torch.Generator().manual_seed(0))
+    x[CHUNK:2 * CHUNK] *= 1e-3  # chunks of very different magnitudes keep their own scales
+    back = codec.decode(codec.encode(x), x.numel())
+    chunk_max = torch.cat([c.abs().max().expand(c.numel()) for c in x.split(CHUNK)])
+    if name == "int8":
+        assert bool(((back - x).abs() <= bound * chunk_max + 1e-9).all())
+    else:  # floating formats: relative to each value (fp8 also has a subnormal floor relative to its chunk)
+        assert bool(((back - x).abs() <= bound * x.abs() + 2 ** -9 * chunk_max / 448 + 1e-12).all())
+    assert codec.payload_bytes(x.numel()) == codec.encode(x).numel()
+
+
+def test_payload_sizes():
+    n = 10 * CHUNK
+    assert build_compressor("none").payload_bytes(n) == 4 * n
+    assert build_compressor("bf16").payload_bytes(n) == 2 * n
+    assert build_compressor("int8").payload_bytes(n) == n + 4 * 10
+    assert build_compressor("fp8").payload_bytes(n) == n + 4 * 10
+    # top 2%: 205 kept, each a 4-byte index and a byte, and one scale for the 205 values
+    assert build_compressor("topk", 0.02).payload_bytes(n) == 205 * 5 + 4
+
+
+def test_topk_keeps_the_largest_entries_and_breaks_ties_by_index():
+    codec = build_compressor("topk", 0.5)
+    x = torch.tensor([0.1, -3.0, 2.0, 0.0, 2.0, -0.2])  # k = 3: -3 and both 2s, as int8 with scale 3/127
+    back = codec.decode(codec.encode(x), 6)
+    step = 3.0 / 127
+    assert back.tolist() == pytest.approx([0.0, -127 * step, 85 * step, 0.0, 85 * step, 0.0], abs=1e-6)
+    quarter = build_compressor("topk", 0.25)  # k = 1 of 4
+    tie = quarter.decode(quarter.encode(torch.tensor([1.0, -1.0, 1.0, 0.5])), 4)
+    assert tie.tolist() == [1.0, 0.0, 0.0, 0.0]  # equal magnitudes: the lowest index wins
+
+
+def _state(values):
+    return {"w": torch.tensor(values, dtype=torch.float32)}
+
+
+def test_error_feedback_sends_what_compression_dropped_in_a_later_round():
+    """top-1 of two entries: without feedback the small entry never travels; with it, the residual grows
+    until it is the largest and goes out, so over rounds the sum sent approaches the sum of the deltas."""
+    master = _state([0.0, 0.0])
+    node = _state([-1.0, -0.4])  # delta = master - node = [1.0, 0.4] every round
+    for feedback, expected_second in ((False, 0.0), (True, 0.4 * 10)):
+        sync = OuterSync("topk", error_feedback=feedback, topk_fraction=0.5)
+        residual, sent = None, torch.zeros(2)
+        for _ in range(10):
+            payload, residual = sync.encode(master, node, residual)
+            sent += sync.compressor.decode(payload, 2)
+        # with feedback the second entry went out 3 times (1.2 each; 3 x 1.2 = 3.6 of 4.0); the rest is the residual
+        if feedback:
+            assert sent[1].item() + residual[1].item() == pytest.approx(expected_second, rel=1e-6)
+            assert sent[0].item() + residual[0].item() == pytest.approx(10.0, rel=1e-6)
+            assert sent[1].item() == pytest.approx(3.6, abs=0.02)
+        else:
+            assert residual is None and sent[1].item() == expected_second and sent[0].item() == pytest.approx(10.0)
+
+
+def test_error_feedback_recovers_a_component_int8_rounds_away():
+    """A delta far below one int8 step of its chunk is rounded to 0 every round; error feedback adds it up
+    until it crosses half a step, so the mean sent over N rounds converges to the true delta."""
+    master = _state([0.0, 0.0])
+    node = _state([-1.0, -0.001])  # delta [1, 0.001]; one step = 1/127 ~ 0.0079
+    sync = OuterSync("int8", error_feedback=True)
+    residual, sent = None, torch.zeros(2)
+    for _ in range(127):
+        payload, residual = sync.encode(master, node, residual)
+        sent += sync.compressor.decode(payload, 2)
+    assert sent[1].item() == pytest.approx(0.127, abs=1 / 127)  # within one step of 127 x 0.001
+    assert sent[1].item() + residual[1].item() == pytest.approx(0.127, rel=1e-4)
+    without = OuterSync("int8", error_feedback=False)
+    assert without.compressor.decode(without.encode(master, node, None)[0], 2)[1].item() == 0.0
+
+
+def test_node_mean_of_compressed_pseudo_gradients_by_hand():
+    master = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0])}
+    nodes = [{"a": torch.tensor([0.5, 1.0]), "b": torch.tensor([2.0])},
+             {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([1.0])}]
+    sync = OuterSync("bf16")  # these deltas are exact in bf16
+    payloads = [sync.encode(master, n, None)[0] for n in nodes]
+    mean = sync.node_mean(master, payloads)
+    # deltas [0.5, 0, 0] and [0, 1, 1]: mean [0.25, 0.5, 0.5]; node mean = master - mean
+    assert mean["a"].tolist() == [0.75, 0.5] and mean["b"].tolist() == [1.5]
+    assert OuterSync("none").exact and not OuterSync("none").error_feedback
+
+
+def test_unknown_scheme_and_bad_fraction():
+    with pytest.raises(ValueError, match="unknown compression"):
+        build_compressor("int4")
+    with pytest.raises(ValueError, match="topk_fraction"):
+        build_compressor("topk", 0.0)
+
+
+# --- the count sketch -----------------------------------------------------------------------------------
+def test_sketch_is_linear_seeded_and_exact_without_collisions():
+    sketch = CountSketch(8, sketch_coefficients(5))
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = sketch(x)
+    assert y.shape == (3, 8) and y.dtype == torch.float64
+    torch.testing.assert_close(sketch(2 * x[:1] - x[1:2]), 2 * y[:1] - y[1:2])  # linear
+    assert torch.equal(CountSketch(8, sketch_coefficients(5))(x), y)  # the same matrix from the same seed
+    buckets, signs = sketch.buckets_and_signs(0, 100)
+    dense = torch.zeros(8, 100, dtype=torch.float64)
+    dense[buckets, torch.arange(100)] = signs
+    torch.testing.assert_close(y, x @ dense.T)  # S has one +-1 per column
+    # a vector with one nonzero entry keeps its norm exactly
+    one = torch.zeros(1, 100, dtype=torch.float64)
+    one[0, 37] = 3.0
+    assert float((sketch(one) ** 2).sum()) == 9.0
+
+
+def test_sketched_squared_norms_are_unbiased_with_relative_error_about_sqrt_2_over_k():
+    k, p = 256, 4096
+    x = torch.randn(1, p, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    exact = float((x ** 2).sum())
+    ratios = torch.tensor([float((CountSketch(k, sketch_coefficients(s))(x) ** 2).sum()) / exact for s in range(200)])
+    assert abs(float(ratios.mean()) - 1) < 3 * math.sqrt(2 / k) / math.sqrt(200)  # unbiased
+    assert float(ratios.std()) == pytest.approx(math.sqrt(2 / k), rel=0.25)  # the error the README states
+
+
+def test_norm_test_statistics_in_sketch_space_agree_with_the_exact_ones():
+    """Known answer: 8 samples, mean direction m plus noise; the norm test's variance and ||g||^2 from the
+    sketched samples are within a few sqrt(2/k) of the exact ones, and the decision matches."""
+    gen = torch.Generator().manual_seed(3)
+    p, k = 20000, 4096
+    direction = torch.randn(p, generator=gen, dtype=torch.float64)
+    grads = direction + 0.5 * torch.randn(8, p, generator=gen, dtype=torch.float64)
+    sizes = torch.full((8,), 4.0, dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    exact = statistics_of(GradientSamples(grads, sizes, groups))
+    sketched = statistics_of(GradientSamples(CountSketch(k, sketch_coefficients(9))(grads), sizes, groups))
+    tolerance = 4 * math.sqrt(2 / k)
+    assert sketched.sq_norm == pytest.approx(exact.sq_norm, rel=tolerance)
+    assert sketched.weighted_dev == pytest.approx(exact.weighted_dev, rel=tolerance)
+    test = NormTest(eta=0.5)
+    assert test(sketched, 1, 2).requested_batch == test(exact, 1, 2).requested_batch
