@@ -19,6 +19,11 @@ default: what the AdLoCo config uses in num_outer_steps, measured by a first AdL
   diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
                       max_requested_batch over the token budget (Megatron's rampup-batch-size)
   localsgd            as diloco_b<initial batch> with LocalSGD (inner SGD at --localsgd_lr, outer = average)
+  communication (when named, or --variants communication; error feedback on):
+  adloco_sketch       statistics_comm: sketch
+  adloco_int8, adloco_fp8, adloco_topk    outer_compression int8 / fp8 / topk (2%)
+  adloco_int8_sketch  both
+  diloco_int8, diloco_topk                diloco_bB (B the middle --diloco_batches) compressed
 
 Warm start (two phases): `--pretrain_config CFG` trains one shared start with run.py (phase 1, into
 <out>/pretrain, reused when finished); `--init_from RUN_DIR` uses an existing run's final model. Phase 2
@@ -77,7 +82,24 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
                                   f"max_requested_batch={max(b, base.max_requested_batch)}", real_batch]
     chosen["diloco_rampup"] = [*single, "sampling_method=linear_rampup", "rampup_tokens=0", real_batch]
     chosen["localsgd"] = [*single, "sampling_method=constant", "distributed_algo=LocalSGD", f"lr_inner={localsgd_lr}"]
+    # communication (issue 22), run when named or with --variants communication: error feedback on throughout
+    reference_batch = diloco_batches[len(diloco_batches) // 2] if diloco_batches else base.initial_batch_size
+    diloco = chosen.get(f"diloco_b{reference_batch}") or [*single, "sampling_method=constant", real_batch]
+    for name, scheme in COMMUNICATION_VARIANTS.items():
+        chosen[name] = [*(diloco if name.startswith("diloco") else []), *scheme]
     return chosen
+
+
+# compressed outer sync and sketched statistics; diloco_* use the middle --diloco_batches batch (8 by default)
+COMMUNICATION_VARIANTS = {
+    "adloco_sketch": ["statistics_comm=sketch"],
+    "adloco_int8": ["outer_compression=int8"],
+    "adloco_int8_sketch": ["outer_compression=int8", "statistics_comm=sketch"],
+    "adloco_fp8": ["outer_compression=fp8"],
+    "adloco_topk": ["outer_compression=topk"],
+    "diloco_int8": ["outer_compression=int8"],
+    "diloco_topk": ["outer_compression=topk"],
+}
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -616,7 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_tokens", type=int, default=0,
                    help="token budget per run; 0 = what the first AdLoCo run uses in its num_outer_steps")
     p.add_argument("--max_outer_steps", type=int, default=200, help="upper bound on outer steps per run")
-    p.add_argument("--variants", default="all", help="comma-separated subset of the variants")
+    p.add_argument("--variants", default="all", help="comma-separated subset of the variants; all (the comparison "
+                   "without the communication variants) or communication (adloco, the middle diloco_bB and the "
+                   "compressed / sketched variants)")
     p.add_argument("--diloco_batches", default="2,4,8,16", help="constant batches of the DiLoCo baselines")
     p.add_argument("--target", type=float, default=0.0,
                    help="target metric; 0 = the final mean of DiLoCo at the initial batch")
@@ -672,7 +696,12 @@ def _compare(args) -> int:
     extra = warm_start(args, out)
     args.warm_from = _shown(Path(extra[0].split("=", 1)[1])) if extra else ""
     chosen = variants(base, [int(b) for b in args.diloco_batches.split(",") if b], args.localsgd_lr)
-    if args.variants != "all":
+    if args.variants == "all":  # the original comparison; the communication variants when asked for
+        chosen = {k: v for k, v in chosen.items() if k not in COMMUNICATION_VARIANTS}
+    elif args.variants == "communication":
+        middle = f"diloco_b{args.diloco_batches.split(',')[len(args.diloco_batches.split(',')) // 2]}"
+        chosen = {k: v for k, v in chosen.items() if k in ("adloco", middle, *COMMUNICATION_VARIANTS)}
+    else:
         unknown = set(args.variants.split(",")) - set(chosen)
         if unknown:
             raise SystemExit(f"error: --variants: unknown {', '.join(sorted(unknown))}; "

@@ -10,9 +10,12 @@ algorithms/traffic.py). The model turns that into predicted wall time:
     compute         = tokens per node of the trainer this round / node_throughput (tokens/s of one node)
     ring all-reduce of S bytes over n nodes (the alpha-beta model): 2 (n-1) steps, each sending S/n bytes
                     = 2 (n-1) x latency + 2 (n-1)/n x S / bandwidth; 0 for n = 1
-    a trainer's collectives: the weights (P bytes, fp32) and, when its batch test decides from gradient
-                    statistics (norm / augmented inner product test), the statistics as this system
-                    sends them (one fp64 buffer, then one fp64 scalar); `statistics=False` leaves them out
+    a trainer's collectives: the weights (P bytes, fp32) in a ring all-reduce, or with outer_compression
+                    an all-gather of each node's encoded pseudo-gradient (C bytes: values, scales,
+                    indices) = (n-1) x (latency + C / bandwidth); and, when its batch test decides from
+                    gradient statistics (norm / augmented inner product test), the statistics as the run
+                    sent them (statistics_comm: the vectors in fp64 or fp32, of P or sketch-k entries, then
+                    7 fp64 scalars: two ring all-reduces); `statistics=False` leaves them out
                     (algorithms/traffic.py's bytes_communicated counts the weights only)
     a merge         = latency + the absorbed trainers' state / bandwidth, into the survivor's first node;
                     merges into different survivors run in parallel, into one survivor one after another
@@ -36,6 +39,8 @@ from pathlib import Path
 
 import yaml
 
+from algorithms.calc_batch import BATCH_TESTS, STATISTICS_WIRE, NodeGradientSums, statistics_payload_bytes
+from algorithms.outer_sync import OuterSync
 from algorithms.traffic import ring_allreduce_bytes
 
 # named settings for --network; per node link, per direction
@@ -64,6 +69,11 @@ class Network:
             return 0.0
         # each node sends its share of the accounting's ring bytes (algorithms/traffic.py), one latency per step
         return 2 * (num_nodes - 1) * self.latency + ring_allreduce_bytes(num_nodes, nbytes) / num_nodes / self.bandwidth
+
+
+    def allgather(self, num_nodes: int, nbytes: float) -> float:
+        """A ring all-gather of each node's `nbytes`: n-1 steps, each node sending one payload per step."""
+        return (num_nodes - 1) * (self.latency + nbytes / self.bandwidth) if num_nodes > 1 else 0.0
 
 
 def parse_bandwidth(text: str) -> float:
@@ -115,7 +125,8 @@ def describe(net: Network) -> str:
 class TrainerRound:
     num_nodes: int
     tokens: float  # tokens all the trainer's nodes processed in the round
-    statistics_bytes: int = 0  # the batch test's statistics buffer per node (0: none travel)
+    statistics_bytes: int = 0  # the batch test's statistics per node, both reductions (0: none travel)
+    sync_bytes: int = 0  # outer_compression: each node's encoded payload, all-gathered (0: fp32 all-reduce of P)
 
 
 @dataclass
@@ -147,9 +158,10 @@ def round_time(work: RoundWork, net: Network, node_throughput: float, weight_byt
         if t.num_nodes == 0:  # every node of the trainer failed this round (on_node_fault: skip)
             continue
         own = t.tokens / t.num_nodes / node_throughput
-        sync = net.allreduce(t.num_nodes, weight_bytes)
+        sync = net.allgather(t.num_nodes, t.sync_bytes) if t.sync_bytes else net.allreduce(t.num_nodes, weight_bytes)
         if t.statistics_bytes and t.num_nodes > 1:
-            sync += net.allreduce(t.num_nodes, t.statistics_bytes) + net.allreduce(t.num_nodes, 8)
+            scalars = 8 * NodeGradientSums.SCALARS  # the second reduction, once the trainer's mean is known
+            sync += net.allreduce(t.num_nodes, t.statistics_bytes - scalars) + net.allreduce(t.num_nodes, scalars)
         compute, slowest = max(compute, own), max(slowest, own + sync)
     into: dict[int, float] = {}
     for survivor, nbytes in work.merges:
@@ -172,14 +184,20 @@ def timeline(rounds: list[RoundWork], net: Network, node_throughput: float,
 
 # ---------------------------------------------------------------------------------------------------------
 def _statistics_bytes(run_config: dict, weight_bytes: int, statistics: bool) -> int:
-    """Bytes per node of the batch test's statistics all-reduce (distributed/backend.py), 0 if none travel."""
-    from algorithms.calc_batch import BATCH_TESTS, NodeGradientSums
-
+    """Bytes per node of the batch test's statistics reductions (distributed/backend.py), 0 if none travel."""
     test = BATCH_TESTS.get(run_config.get("sampling_method", ""))
     if not statistics or test is None or not test.uses_statistics:
         return 0
     within_node = run_config.get("variance_estimator", "micro_batches") == "micro_batches"
-    return 8 * NodeGradientSums.packed_size(weight_bytes // 4, within_node)
+    mode = run_config.get("statistics_comm", "fp64")
+    numel = int(run_config.get("statistics_sketch_dim", 16384)) if mode == "sketch" else weight_bytes // 4
+    return statistics_payload_bytes(numel, within_node, STATISTICS_WIRE[mode])
+
+
+def _sync_bytes(run_config: dict, weight_bytes: int) -> int:
+    """Each node's encoded pseudo-gradient under outer_compression; 0 for the fp32 all-reduce."""
+    sync = OuterSync(run_config.get("outer_compression", "none"), topk_fraction=run_config.get("topk_fraction", 0.02))
+    return 0 if sync.exact else sync.payload_bytes(weight_bytes // 4)
 
 
 def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork], int, int]:
@@ -201,6 +219,7 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
         merges_at.setdefault(int(m["outer_step"]), []).append(m)
     weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     stats = _statistics_bytes(run_config, weight_bytes, statistics)
+    sync_bytes = _sync_bytes(run_config, weight_bytes)
     tokens_before = {r["trainer_id"]: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0
     rounds = []
@@ -214,7 +233,7 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
         for r in trained:
             seen = float(r["tokens_seen"])
             work.trainers.append(TrainerRound(int(r["num_nodes"]), seen - tokens_before.get(r["trainer_id"], 0.0),
-                                              stats))
+                                              stats, sync_bytes))
             tokens_before[r["trainer_id"]] = seen
         for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
             for merged in m["merged"].split():
@@ -240,7 +259,8 @@ def accounted_bytes(rounds: list[RoundWork], weight_bytes: int) -> int:
     """The weights traffic the model charges, on algorithms/traffic.py's definitions (a check against the run)."""
     total = 0
     for work in rounds:
-        total += sum(ring_allreduce_bytes(t.num_nodes, weight_bytes) for t in work.trainers)
+        total += sum(t.num_nodes * (t.num_nodes - 1) * t.sync_bytes if t.sync_bytes
+                     else ring_allreduce_bytes(t.num_nodes, weight_bytes) for t in work.trainers)
         total += sum(nbytes for _, nbytes in work.merges) + work.node_move_bytes
     return total
 

@@ -10,6 +10,7 @@ from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
 from benchmarks.network import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
+from utils.config import load_config
 
 SHARED_C4 = ROOT.parent / "shared" / "data" / "c4"
 SMALL = [o for o in TINY if not o.startswith(("num_outer_steps", "merge_frequency"))]
@@ -241,3 +242,16 @@ def test_the_harness_writes_outside_the_committed_results_by_default():
     assert out == str(ROOT / "logs" / "compare")
     ignored = subprocess.run(["git", "check-ignore", "-q", str(ROOT / "logs" / "compare" / "comparison.md")], cwd=ROOT)
     assert ignored.returncode == 0  # logs/ is not tracked: a user's report never replaces the committed one
+
+
+def test_communication_variants_are_named_overrides_left_out_of_all():
+    from benchmarks.compare import COMMUNICATION_VARIANTS, variants
+
+    chosen = variants(load_config(ROOT / "configs" / "compare_cpu.yaml"), [2, 4, 8, 16], 0.3)
+    assert chosen["adloco_int8"] == ["outer_compression=int8"]
+    assert chosen["adloco_int8_sketch"] == ["outer_compression=int8", "statistics_comm=sketch"]
+    # DiLoCo compressed: the middle DiLoCo batch (8), one trainer, then the scheme
+    assert chosen["diloco_int8"] == [*chosen["diloco_b8"], "outer_compression=int8"]
+    assert set(COMMUNICATION_VARIANTS) <= set(chosen)
+    for name in COMMUNICATION_VARIANTS:  # every override is a valid config
+        load_config(ROOT / "configs" / "compare_cpu.yaml", chosen[name])

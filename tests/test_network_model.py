@@ -72,11 +72,22 @@ def test_a_round_by_hand_trainers_in_parallel_merges_by_survivor_moves_in_parall
     assert accounted_bytes([work], 10**6) == 2 * 10**6 + 4 * 10**6 + 2 * 10**6
 
 
-def test_statistics_add_their_all_reduce_and_a_scalar_one():
+def test_statistics_add_their_vector_all_reduce_and_a_scalar_one():
     plain = RoundWork(1, [TrainerRound(4, 4000)], merges=[])
-    with_stats = RoundWork(1, [TrainerRound(4, 4000, statistics_bytes=2 * 10**6)], merges=[])
+    with_stats = RoundWork(1, [TrainerRound(4, 4000, statistics_bytes=2 * 10**6 + 56)], merges=[])
     extra = (round_time(with_stats, SLOW, 1000, 10**6).total - round_time(plain, SLOW, 1000, 10**6).total)
-    assert extra == pytest.approx(SLOW.allreduce(4, 2 * 10**6) + SLOW.allreduce(4, 8))
+    assert extra == pytest.approx(SLOW.allreduce(4, 2 * 10**6) + SLOW.allreduce(4, 56))
+
+
+def test_a_compressed_sync_is_an_all_gather_of_the_payload():
+    """4 nodes, each with a 250 kB payload: 3 steps of (latency + 250 kB / bandwidth), instead of the fp32
+    ring all-reduce's 6 steps of P / 4; the accounting charges n (n-1) x C."""
+    fp32 = RoundWork(1, [TrainerRound(4, 4000)], merges=[])
+    int8 = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000)], merges=[])
+    assert round_time(int8, SLOW, 1000, 10**6).communication == pytest.approx(3 * (SLOW.latency + 250_000 / MB))
+    assert round_time(fp32, SLOW, 1000, 10**6).communication == pytest.approx(6 * (SLOW.latency + 250_000 / MB))
+    assert accounted_bytes([int8], 10**6) == 4 * 3 * 250_000
+    assert SLOW.allgather(1, 10**6) == 0.0
 
 
 def test_latency_is_paid_per_round_and_bandwidth_per_byte():
