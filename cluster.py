@@ -250,6 +250,9 @@ class ClusterController:
             node.sketch = self.sketch
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.sample_numel = self.sketch.dim if self.sketch is not None else trainable  # length of a gradient sample
+        if self.sketch is not None and self.sketch.dim >= trainable:
+            log.warning("statistics_sketch_dim %d is not smaller than the %d trainable parameters: the sketch sends "
+                        "more than statistics_comm fp64 would, and only estimates", self.sketch.dim, trainable)
         if local is None:
             self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes, self.master_device,
                                         self.outer_sync, self.statistics_wire)

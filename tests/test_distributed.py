@@ -15,7 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from algorithms.calc_batch import AugmentedInnerProductTest, GradientSamples, NodeGradientSums, NormTest, statistics_of
+from algorithms.calc_batch import (
+    STATISTICS_WIRE,
+    AugmentedInnerProductTest,
+    GradientSamples,
+    NodeGradientSums,
+    NormTest,
+    statistics_of,
+    trainer_statistics,
+)
 from run import train
 from tests.conftest import ROOT
 from utils.config import load_config
@@ -40,16 +48,18 @@ def worker(rank: int, store: str, out: str) -> None:
         grads, sizes = node_samples(rank)
         results = {}
         for within_node in (True, False):
-            share = NodeGradientSums.of(grads, sizes, within_node)
-            vectors = share.vectors()
-            dist.all_reduce(vectors)  # one vector all-reduce: the b-weighted gradient sum(s) and the batch
-            mean = NodeGradientSums.reduced_mean(vectors, within_node)
-            scalars = share.scalars(share.inner_sum(grads, sizes, mean, within_node))
-            dist.all_reduce(scalars)  # then the scalars
-            total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
-            stats = total.statistics(inner, within_node)
-            decisions = {name: test(stats, 1, WORLD) for name, test in batch_tests().items()}
-            results[str(within_node)] = {name: d.stats | {"batch": d.requested_batch} for name, d in decisions.items()}
+            for wire in ("fp64", "fp32"):  # statistics_comm
+                share = NodeGradientSums.of(grads, sizes, within_node)
+                vectors = share.vectors(STATISTICS_WIRE[wire])
+                dist.all_reduce(vectors)  # one vector all-reduce: the b-weighted gradient sum(s) and the batch
+                mean = NodeGradientSums.reduced_mean(vectors, within_node)
+                scalars = share.scalars(share.inner_sum(grads, sizes, mean, within_node))
+                dist.all_reduce(scalars)  # then the scalars
+                total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
+                stats = total.statistics(inner, within_node)
+                decisions = {name: test(stats, 1, WORLD) for name, test in batch_tests().items()}
+                results[f"{within_node}/{wire}"] = {name: d.stats | {"batch": d.requested_batch}
+                                                    for name, d in decisions.items()}
         with open(f"{out}/rank{rank}.json", "w") as f:
             json.dump(results, f)
     finally:
@@ -67,12 +77,16 @@ def test_batch_tests_over_a_gloo_all_reduce_match_the_simulation(tmp_path):
         groups = torch.cat([torch.full((len(b),), r) for r, (_, b) in enumerate(parts)]) if within_node \
             else torch.zeros(len(sizes), dtype=torch.long)
         direct = statistics_of(GradientSamples(grads, sizes, groups))
+        # fp32 on the wire: the simulated cluster's path with the same wire dtype (sums in another order: 1e-6)
+        fp32 = trainer_statistics(parts, within_node, torch.float32)
         for name, test in batch_tests().items():
-            expected = test(direct, 1, WORLD)
-            got = ranks[0][str(within_node)][name]
-            assert got["batch"] == expected.requested_batch > 1
-            for key, value in expected.stats.items():
-                assert abs(got[key] - value) <= 1e-9 * abs(value), (within_node, name, key)
+            for wire, reference, tolerance in (("fp64", direct, 1e-9), ("fp32", fp32, 1e-6)):
+                expected = test(reference, 1, WORLD)
+                got = ranks[0][f"{within_node}/{wire}"][name]
+                assert got["batch"] == expected.requested_batch > 1
+                for key, value in expected.stats.items():
+                    assert abs(got[key] - value) <= tolerance * abs(value), (within_node, wire, name, key)
+            assert test(fp32, 1, WORLD).requested_batch == test(direct, 1, WORLD).requested_batch
 
 
 # ----------------------------------------------------------------------------------------------
