@@ -164,12 +164,12 @@ def test_a_failed_run_logs_its_error_and_never_blocks_a_retry(tiny_config, tmp_p
 ])
 def test_input_errors_arrive_before_any_data_is_loaded(tmp_path, capsys, monkeypatch, overrides, words):
     """No corpus loading, no tokenizer training, no run directory: one line and exit 2."""
-    import fabrics.dataset_loader
+    import fabrics.corpus
 
     def no_data(cfg):
         raise AssertionError("data was loaded before the input was checked")
 
-    monkeypatch.setattr(fabrics.dataset_loader, "load_corpus", no_data)
+    monkeypatch.setattr(fabrics.corpus, "load_corpus", no_data)
     tokenized = tmp_path / "tokenized"
     tokenized.mkdir()
     (tokenized / "metadata.json").write_text(json.dumps({"seq_len": 64, "tokenizer": "x"}))
@@ -277,10 +277,11 @@ def test_documents_without_text_are_skipped(tmp_path, caplog):
 
 def test_val_size_beyond_the_data_fails_before_training_a_tokenizer(tiny_config, monkeypatch):
     import fabrics.dataset_loader as loader
+    from fabrics.corpus import load_corpus
 
     monkeypatch.setattr(loader, "_train_bpe", lambda *a: pytest.fail("a tokenizer was trained"))
     with pytest.raises(DataError, match="val_size: 100000 validation sequences .* lower val_size"):
-        loader.load_corpus(tiny_config("val_size=100000"))
+        load_corpus(tiny_config("val_size=100000"))
 
 
 # ----------------------------------------------------------------------------------------------
