@@ -22,7 +22,6 @@ Batches never shrink (as in AdAdaGrad and the authors' code) and are capped at `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -158,14 +157,6 @@ class NodeGradientSums:
         total = cls(vectors[:p], None if within_node else vectors[p:2 * p], float(vectors[-1]), weighted_sq, plain_sq,
                     round(count), round(groups), weighted_dev, plain_dev)
         return total, inner
-
-    def to(self, device: torch.device | str) -> NodeGradientSums:
-        return dataclasses.replace(self, weighted_sum=self.weighted_sum.to(device),
-                                   plain_sum=None if self.plain_sum is None else self.plain_sum.to(device))
-
-    def __add__(self, other: NodeGradientSums) -> NodeGradientSums:
-        return NodeGradientSums(*(None if a is None else a + b for a, b in zip(vars(self).values(),
-                                                                               vars(other).values())))
 
     def inner_sum(self, grads: torch.Tensor, batch_sizes: torch.Tensor, mean: torch.Tensor,
                   within_node: bool) -> float:

@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import network  # noqa: E402
+from benchmarks.tables import cell  # noqa: E402
 from benchmarks.theory import communication_bound  # noqa: E402
 from training_logs.plots import readable_y  # noqa: E402
 from utils.config import Config, load_config  # noqa: E402
@@ -564,17 +565,9 @@ def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
     return paths
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def _table(rows: list[dict], cols: list[str]) -> list[str]:
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
-            *("| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows)]
+            *("| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows)]
 
 
 def write_outputs(report: dict, results: dict, args, out: Path) -> str:

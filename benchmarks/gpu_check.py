@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.tables import cell  # noqa: E402
+
 # run.py on a GPU: a tiny model, 4 trainers on 4 nodes of one GPU, merges every 2 steps, batches that grow
 # past the max batch of 2 (accumulation): every mechanism inside one short run
 RUN = ["devices=[cuda]", "nodes_per_gpu=4", "num_init_trainers=4", "num_outer_steps=6", "num_inner_steps=4",
@@ -218,14 +220,6 @@ def targets_of(steps: list[Step]) -> dict:
             for name, (what, threshold) in TARGETS.items()}
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
 def render_markdown(result: dict) -> str:
     """The short record: machine facts, one row per step, the targets."""
     facts = result["facts"]
@@ -237,7 +231,7 @@ def render_markdown(result: dict) -> str:
              "", "| step | what | result | seconds | detail |", "|---|---|---|---|---|"]
     for step in result["steps"]:
         state = {True: "ok", False: "FAILED", None: "not run"}[step["ok"]]
-        detail = step["error"] or ", ".join(f"{k} {_fmt(v)}" for k, v in step["detail"].items()
+        detail = step["error"] or ", ".join(f"{k} {cell(v, 3)}" for k, v in step["detail"].items()
                                              if not isinstance(v, dict))
         for key, value in step["detail"].items():
             if isinstance(value, dict) and "same_decisions" in value:
@@ -248,14 +242,14 @@ def render_markdown(result: dict) -> str:
     lines += ["", "| target | measured | needed | met |", "|---|---|---|---|"]
     for target in result["targets"].values():
         met = {True: "yes", False: "NO", None: "not measured"}[target["met"]]
-        lines.append(f"| {target['what']} | {_fmt(target['measured'])} | >= {target['target']} | {met} |")
+        lines.append(f"| {target['what']} | {cell(target['measured'], 3)} | >= {target['target']} | {met} |")
     system = next((s for s in result["steps"] if s["name"] == "system" and s["ok"]), None)
     if system:
         lines += ["", f"| variant ({system['detail'].get('preset')}, seq {system['detail'].get('seq_len')}) | "
                   "tokens/s | engine / plain | MFU (datasheet) |", "|---|---|---|---|"]
         for variant, r in system["detail"].get("inner", {}).items():
             lines.append(f"| {variant} | {r['tokens_per_s']:.0f} | {r['engine_over_plain']:.3f} | "
-                         f"{_fmt(r.get('mfu_datasheet'))} |")
+                         f"{cell(r.get('mfu_datasheet'), 3)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -36,9 +36,12 @@ def node_shares(grads, sizes, nodes, within_node):
     """A trainer's statistics as nodes would build them: each its own sums, then a sum (the all-reduce)."""
     ids = nodes.unique().tolist()
     shares = {n: NodeGradientSums.of(grads[nodes == n], sizes[nodes == n], within_node) for n in ids}
-    total = functools.reduce(operator.add, shares.values())
-    mean = total.weighted_sum / total.batch
-    inner = sum(share.inner_sum(grads[nodes == n], sizes[nodes == n], mean, within_node) for n, share in shares.items())
+    vectors = functools.reduce(operator.add, (share.vectors() for share in shares.values()))
+    mean = NodeGradientSums.reduced_mean(vectors, within_node)
+    scalars = functools.reduce(operator.add, (share.scalars(share.inner_sum(grads[nodes == n], sizes[nodes == n],
+                                                                            mean, within_node))
+                                              for n, share in shares.items()))
+    total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
     return total.statistics(inner, within_node)
 
 

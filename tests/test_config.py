@@ -108,7 +108,7 @@ def test_readme_quotes_config_yaml_values_truly():
         assert values[key] == yaml.safe_load(value), key
 
 
-def test_cpu_kernels_are_chosen_before_torch_starts_and_recorded(tmp_path, cache_dir):
+def test_cpu_kernels_are_chosen_before_torch_starts_and_recorded(tmp_path, cache_dir, monkeypatch):
     """cpu_capability=avx2 reaches torch through the environment before its first operation; config.yaml,
     the log and summary.json say which kernels and threads made the run; a capability torch does not use
     is refused in one line."""
@@ -139,7 +139,11 @@ def test_cpu_kernels_are_chosen_before_torch_starts_and_recorded(tmp_path, cache
     # a capability that this (already started) process does not use: refused before any work
     from run import train
 
-    other = "default" if torch.backends.cpu.get_cpu_capability().lower() != "default" else "avx2"
+    actual = torch.backends.cpu.get_cpu_capability().lower()
+    other = "default" if actual != "default" else "avx2"
+    # train() asks for its kernels in this process's environment: undone after the test, so the subprocesses of
+    # later tests do not inherit the request
+    monkeypatch.setitem(os.environ, "ATEN_CPU_CAPABILITY", os.environ.get("ATEN_CPU_CAPABILITY", actual))
     with pytest.raises(ConfigError, match=f"'cpu_capability': '{other}' is not what torch uses in this process"):
         train(load_config(ROOT / "config.yaml", [*TINY, f"log_dir={tmp_path}", f"cpu_capability={other}"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["auto", "avx2"]

@@ -343,7 +343,7 @@ class Config:
     def meaning(self) -> dict[str, Any]:
         """The settings that decide a run's numbers: everything but RESUME_MAY_CHANGE (max_tokens does
         decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too)."""
-        defaults = {f.name: getattr(Config(), f.name) for f in dataclasses.fields(Config) if f.name in ADDED_LATER}
+        defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.name in ADDED_LATER}
         # keys added after checkpoints were written count only when set: those checkpoints stay resumable
         meaning = {k: v for k, v in self.to_dict().items()
                    if k not in RESUME_MAY_CHANGE and not (k in ADDED_LATER and v == defaults[k])}
