@@ -13,6 +13,7 @@ same methods with collectives; rounds.py, algorithms/ and trainers.py are the sa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -37,14 +38,16 @@ from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import EvalResult, Evaluator
 from fabrics.models import replicate
 from fabrics.precision import build_precision
-from rounds import NodeFault, RoundResult, combine, run_node
+from algorithms.streaming import StreamingPlan, mix_fragment
+from rounds import (NodeFault, RoundResult, advance, combine, fragment_average, fragment_fault, run_node,
+                    send_fragment, sum_wires, wire_size)
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
 from utils.checkpoint import Checkpoint, prune_checkpoints, save_checkpoint
 from utils.config import Config
-from utils.errors import RunStopped, TrainingFault, UserError
+from utils.errors import ConfigError, RunStopped, TrainingFault, UserError
 from utils.max_batch_calculator import find_max_batch_size
-from utils.model_state import float_state
+from utils.model_state import float_state, load_float_state
 from utils.signals import StopSignals
 
 log = logging.getLogger(__name__)
@@ -58,31 +61,93 @@ class RoundBackend:
     """
 
     def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu",
-                 sync: OuterSync | None = None, statistics_wire: torch.dtype = torch.float64) -> None:
+                 sync: OuterSync | None = None, statistics_wire: torch.dtype = torch.float64,
+                 streaming: StreamingPlan | None = None) -> None:
         self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
         self.sync, self.statistics_wire = sync or OuterSync(), statistics_wire
+        self.streaming = streaming  # sync_fragments / sync_delay: the fragments and their schedule
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
-    def _run_one(self, job: NodeJob) -> NodeResult | NodeFault:
-        return run_node(self.nodes[job.node_id], job, self.sync)
-
-    def run_round(self, jobs: list[NodeJob]) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+    def _map(self, fn, items: list) -> list:
+        """fn over items on the node threads (or in a loop); a stop is raised once every call has returned."""
         if self.pool is None:
-            outcomes = [self._run_one(j) for j in jobs]
-        else:
-            futures = [self.pool.submit(self._run_one, j) for j in jobs]
-            outcomes, abandoned = [], None
-            for future in futures:  # wait for every node, so none is still writing when we go on
-                try:
-                    outcomes.append(future.result())
-                except RoundAbandoned as exc:
-                    abandoned = exc
-            if abandoned is not None:
-                raise abandoned
+            return [fn(item) for item in items]
+        futures = [self.pool.submit(fn, item) for item in items]
+        outcomes, abandoned = [], None
+        for future in futures:  # wait for every node, so none is still writing when we go on
+            try:
+                outcomes.append(future.result())
+            except RoundAbandoned as exc:
+                abandoned = exc
+        if abandoned is not None:
+            raise abandoned
+        return outcomes
+
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None
+                  ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+        if self.streaming is not None:
+            return self._run_streaming(jobs, trainers)
+        outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}
         return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
                        self.statistics_wire, self.sync, masters), faults
+
+    def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
+        """A Streaming DiLoCo round: every node runs to each send or landing of the schedule; a send takes each
+        good node's fragment wire, a landing averages them, steps the trainer's fragment and mixes it into
+        the nodes (algorithms/streaming.py). Under torchrun the same happens with collectives in flight."""
+        plan, sync = self.streaming, self.sync
+        job_of = {j.node_id: j for j in jobs}
+        members = {t: sorted(j.node_id for j in jobs if j.trainer_id == t) for t in {j.trainer_id for j in jobs}}
+        round_steps = {j.node_id: self.nodes[j.node_id].steps(j, plan.pauses) for j in jobs}
+        numels = {n: v.numel() for n, v in next(iter(trainers.values())).master.items()}
+        spans, total = plan.offsets(numels), sum(numels.values())
+        ended: dict[int, NodeResult | NodeFault] = {}  # a node's result, or its fault (it left the round)
+        in_flight: dict[int, dict[int, list[torch.Tensor]]] = {}  # fragment -> trainer -> the good nodes' wires
+        errors: dict[int, str] = {}
+        for step in [*plan.pauses, None]:  # None: on to the end of the round
+            live = [n for n in sorted(round_steps) if n not in ended]
+            for node_id, out in zip(live, self._map(lambda n: advance(round_steps[n], job_of[n]), live)):
+                if not isinstance(out, int):
+                    ended[node_id] = out
+            if step is None:
+                break
+            for event in plan.events_at(step):
+                f, names = event.fragment, plan.fragments[event.fragment]
+                if not event.lands:
+                    in_flight[f] = {}
+                    for t, node_ids in members.items():
+                        wires = in_flight[f].setdefault(t, [])
+                        for node_id in node_ids:
+                            node = self.nodes[node_id]
+                            fault = None if node_id in ended else fragment_fault(node, job_of[node_id], names)
+                            if fault is not None:
+                                ended[node_id] = fault
+                            if node_id not in ended:
+                                wires.append(send_fragment(node, trainers[t].master, names, spans[f], total, sync))
+                    continue
+                for t, wires in in_flight.pop(f).items():
+                    master = trainers[t].master
+                    if t in errors or not wires:
+                        continue
+                    mean = fragment_average(sync, master, names, sum_wires(wires, self.master_device)
+                                            if sync.exact else wires)
+                    try:
+                        trainers[t].outer_step(mean)
+                    except FloatingPointError as exc:
+                        errors[t] = str(exc)
+                        continue
+                    for node_id in members[t]:
+                        if node_id not in ended:
+                            mix_fragment(float_state(self.nodes[node_id].model), master, names, plan.alpha)
+        outcomes = list(ended.values())
+        combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
+                           self.statistics_wire, self.sync, streamed=True)
+        for t, message in errors.items():
+            if t in combined:
+                combined[t].outer_error = message
+        return combined, [o for o in outcomes if isinstance(o, NodeFault)]
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""
@@ -253,9 +318,30 @@ class ClusterController:
         if self.sketch is not None and self.sketch.dim >= trainable:
             log.warning("statistics_sketch_dim %d is not smaller than the %d trainable parameters: the sketch sends "
                         "more than statistics_comm fp64 would, and only estimates", self.sketch.dim, trainable)
+        # Streaming DiLoCo (README "Streaming DiLoCo"): fragments synced at staggered inner steps, overlapped
+        self.streaming = None
+        if cfg.sync_fragments > 1 or cfg.sync_delay > 0:
+            numels = {k: v.numel() for k, v in initial.items()}
+            try:
+                self.streaming = StreamingPlan.build(list(initial), numels, cfg.num_inner_steps, cfg.sync_fragments,
+                                                     cfg.sync_delay, cfg.fragment_alpha)
+            except ValueError as exc:
+                raise ConfigError("sync_fragments", f"{cfg.sync_fragments}: {exc}") from None
+            shared = {}
+            for f, names in enumerate(self.streaming.fragments):
+                for name in names:
+                    other = shared.setdefault(initial[name].data_ptr(), f)
+                    if other != f:
+                        raise ConfigError("sync_fragments", f"{name} shares its storage with a tensor of fragment "
+                                          f"{other} (tied weights): use sync_fragments: 1")
+            log.info("streaming: %d fragments of %s tensors; sends/landings after inner steps %s",
+                     len(self.streaming.fragments), "/".join(str(len(f)) for f in self.streaming.fragments),
+                     ", ".join(f"{'land' if e.lands else 'send'} {e.fragment}@{e.step}" for e in self.streaming.events))
+        # streaming: the (trainer, weights version) whose round each node's own weights continue; None: load it
+        self.continues: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
         if local is None:
             self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes, self.master_device,
-                                        self.outer_sync, self.statistics_wire)
+                                        self.outer_sync, self.statistics_wire, self.streaming)
         else:
             from distributed import torchrun
             from distributed.backend import DistributedBackend
@@ -265,10 +351,14 @@ class ClusterController:
             self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, self.sample_numel,
                                               self.pool_within_nodes, torchrun.comm_device(cfg, dist_env),
                                               torchrun.store(), self.master_device, self.statistics_wire,
-                                              self.outer_sync)
+                                              self.outer_sync, self.streaming)
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
         # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
         self.sync_bytes = self.outer_sync.payload_bytes(self.param_bytes // 4)
+        if self.streaming is not None:  # one collective per fragment, each payload with its 4-byte count/flag
+            numels = {k: v.numel() for k, v in initial.items()}
+            self.fragment_bytes = [wire_size(self.outer_sync, sum(numels[n] for n in names))
+                                   * (4 if self.outer_sync.exact else 1) for names in self.streaming.fragments]
         self.statistics_bytes = statistics_payload_bytes(self.sample_numel, self.pool_within_nodes,
                                                          self.statistics_wire)
         self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
@@ -298,7 +388,19 @@ class ClusterController:
                 "optimizers": [n.optimizer_state() for n in self.nodes],
                 "residuals": [None if n.residual is None else n.residual.detach().to("cpu", copy=True)
                               for n in self.nodes],
-                "rng": rng_state(cuda=any(d.startswith("cuda") for d in self.cfg.devices))}
+                "rng": rng_state(cuda=any(d.startswith("cuda") for d in self.cfg.devices)),
+                **(self._streaming_state() if self.streaming is not None else {})}
+
+    def _streaming_state(self) -> dict:
+        """Streaming rounds change more before the round ends: the trainers (each fragment's outer step lands
+        mid-round) and the nodes' own weights, which go on from one round to the next."""
+        return {"continues": dict(self.continues),
+                "node_weights": [None if n.model is None else {k: v.detach().to("cpu", copy=True)
+                                                               for k, v in float_state(n.model).items()}
+                                 for n in self.nodes],
+                "trainer_states": {t: (copy.deepcopy(tr.state_dict()), {k: v.detach().clone()
+                                                                         for k, v in tr.master.items()})
+                                   for t, tr in self.trainers.items()}}
 
     def _restore_round(self, state: dict) -> None:
         self.owner, self.holds = dict(state["owner"]), dict(state["holds"])
@@ -312,13 +414,24 @@ class ClusterController:
             if node.model is not None:  # under torchrun: this process's node only
                 node.residual = None if residual is None else residual.to(node.device, copy=True)
         set_rng_state(state["rng"])
+        if self.streaming is not None:
+            self.continues = dict(state.get("continues") or {n.node_id: None for n in self.nodes})
+            for node, weights in zip(self.nodes, state.get("node_weights") or [None] * len(self.nodes)):
+                if node.model is not None and weights is not None:
+                    load_float_state(node.model, weights)
+            for t, (trainer_state, weights) in (state.get("trainer_states") or {}).items():
+                if t in self.trainers:
+                    self.trainers[t].load_state_dict(trainer_state, weights)
 
     def state_dict(self) -> dict:
         """Everything a checkpoint holds besides the trainers (under torchrun: a collective, every rank calls it)."""
         state = self._round_state()
+        state.pop("trainer_states", None)  # the checkpoint holds the trainers themselves
         if self.dist_env is not None:  # each process holds its own node's inner optimizer
             state["optimizers"] = self.backend.gather_optimizer_states(state["optimizers"][self.dist_env.rank])
             state["residuals"] = self.backend.gather_optimizer_states(state["residuals"][self.dist_env.rank])
+            if "node_weights" in state:
+                state["node_weights"] = self.backend.gather_optimizer_states(state["node_weights"][self.dist_env.rank])
         return {**state, "outer_step": self.last_outer_step, "tokens_total": self.tokens_total,
                 "best_seen": self.best_seen, "initial_metric": self.initial_metric,
                 "nodes": [{"max_batch": n.max_batch} for n in self.nodes], "logger": self.logger.counters(),
@@ -388,7 +501,8 @@ class ClusterController:
                 indices = trainer.sampler.take(n).view(cfg.num_inner_steps, accumulation, loader_batch)
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
                                     reset_optimizer=self.owner[node_id] != t,
-                                    inject_fault=self.injected.get((outer_step, node_id), "")))
+                                    inject_fault=self.injected.get((outer_step, node_id), ""),
+                                    keep_local=self.streaming is not None and self.continues[node_id] == version))
         for t, node_ids in assignment.items():
             for node_id in node_ids:
                 self.owner[node_id] = t
@@ -419,7 +533,7 @@ class ClusterController:
         self.logger.memory.begin_round(outer_step)
         try:
             self.backend.transfer(moves, self.trainers)
-            results, faults = self.backend.run_round(jobs)
+            results, faults = self.backend.run_round(jobs, self.trainers)
         except RoundAbandoned:
             self._restore_round(before)
             raise
@@ -441,8 +555,10 @@ class ClusterController:
         trainer_ids = sorted({j.trainer_id for j in jobs})
         failed = {}
         for t, res in sorted(results.items()):
-            if res.node_mean is None:  # torchrun: this process is not one of t's nodes (it gets t when it joins)
-                continue
+            if res.outer_error:  # streaming: a fragment's outer step, during the round
+                failed[t] = FloatingPointError(res.outer_error)
+            if res.node_mean is None:  # torchrun: this process is not one of t's nodes (it gets t when it joins);
+                continue  # streaming: the fragments stepped during the round
             try:
                 self.trainers[t].outer_step(res.node_mean)
             except FloatingPointError as exc:
@@ -452,6 +568,12 @@ class ClusterController:
             fault = TrainingFault(f"fault at outer step {outer_step}, {detail}")
             fault.state_is_good = False
             raise fault
+        if self.streaming is not None:  # the good nodes' own weights go on next round, if their trainer stays the same
+            for f in faults:
+                self.continues[f.node_id] = None
+            for t, res in results.items():
+                for node_id in res.nodes:
+                    self.continues[node_id] = (t, self.trainers[t].weights_version)
         evaluations = self._evaluate(trainer_ids)
         rows = []
         for t in trainer_ids:
@@ -469,7 +591,8 @@ class ClusterController:
                 continue
             res = results[t]
             requested_before = trainer.requested_batch
-            self.traffic.trainer_sync(len(res.nodes), self.sync_bytes, gathered=not self.outer_sync.exact)
+            for payload in self.fragment_bytes if self.streaming is not None else [self.sync_bytes]:
+                self.traffic.trainer_sync(len(res.nodes), payload, gathered=not self.outer_sync.exact)
             if res.statistics is not None:
                 self.traffic.statistics(len(res.nodes), self.statistics_bytes)
             self._seen(evaluation.value)

@@ -2,7 +2,9 @@
 
 Both backends use this module: the simulated cluster (cluster.py `RoundBackend`) runs the nodes in this
 process and calls `combine`; under torchrun (distributed/backend.py) each process runs its own node with
-`run_node` and collectives replace `combine`.
+`run_node` and collectives replace `combine`. Streaming DiLoCo rounds (sync_fragments, sync_delay) pause
+the nodes at each fragment's send and landing (`advance`); both backends build each node's fragment
+payload with `fragment_wire` and average what arrived with `fragment_average`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.calc_batch import GradientStatistics, trainer_statistics
-from algorithms.outer_sync import OuterSync
+from algorithms.outer_sync import OuterSync, flatten, unflatten
+from algorithms.streaming import FLAG_BYTES
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned
+from utils.model_state import float_state
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ class RoundResult:
     node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
     learning_rate: float
     statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
+    outer_error: str = ""  # streaming: a fragment's outer step failed (non-finite pseudo-gradient)
 
 
 @dataclass
@@ -54,6 +59,18 @@ def check_finite(result: NodeResult) -> NodeFault | None:
     return None
 
 
+def _failed(job: NodeJob, exc: Exception) -> NodeFault:
+    log.debug("node %d failed", job.node_id, exc_info=True)
+    return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
+
+
+def _checked(job: NodeJob, result: NodeResult) -> NodeFault | None:
+    fault = check_finite(result)
+    if fault is not None and job.inject_fault:
+        fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
+    return fault
+
+
 def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeResult | NodeFault:
     """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes).
     A compressed outer sync encodes the node's pseudo-gradient here, on the node, and updates its residual
@@ -63,28 +80,120 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
     except RoundAbandoned:
         raise
     except Exception as exc:  # a node fault, handled by the on_node_fault policy
-        log.debug("node %d failed", job.node_id, exc_info=True)
-        return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
-    fault = check_finite(result)
-    if fault is not None and job.inject_fault:
-        fault.message = f"non-finite loss (inject_fault: {job.inject_fault})"
+        return _failed(job, exc)
+    fault = _checked(job, result)
     if fault is None and sync is not None and not sync.exact:
         result.payload, node.residual = sync.encode(job.master, result.state, node.residual)
     return fault or result
 
 
+# ---------------------------------------------------------------------------------------------------
+# Streaming DiLoCo rounds (algorithms/streaming.py has the fragments and the schedule)
+
+def advance(round_steps, job: NodeJob) -> int | NodeResult | NodeFault:
+    """Run a node's round (`Node.steps`) to its next pause: the pause's step count, or at the end its result;
+    an exception or, at the end, non-finite numbers become a NodeFault (RoundAbandoned passes)."""
+    try:
+        return next(round_steps)
+    except StopIteration as done:
+        result = done.value
+    except RoundAbandoned:
+        raise
+    except Exception as exc:
+        return _failed(job, exc)
+    return _checked(job, result) or result
+
+
+def fragment_fault(node: Node, job: NodeJob, names: list[str]) -> NodeFault | None:
+    """Before a fragment travels: a node whose losses so far or whose fragment are not finite leaves the round
+    (it would poison its trainer's fragment)."""
+    losses = torch.stack(node.round_losses).float() if node.round_losses else torch.zeros(1)
+    own = node.model.state_dict(keep_vars=True)
+    if not bool(torch.isfinite(losses).all()) or not all(bool(torch.isfinite(own[n]).all()) for n in names):
+        why = f"inject_fault: {job.inject_fault}" if job.inject_fault else "diverged? lower lr_inner"
+        return NodeFault(job.node_id, job.trainer_id, "nan", f"non-finite loss or weights before a fragment sync "
+                         f"({why})")
+    return None
+
+
+def wire_size(sync: OuterSync, numel: int) -> int:
+    """Elements of one node's fragment payload: fp32 weights + a count (exact), or encoded bytes + 4 flag bytes."""
+    return numel + 1 if sync.exact else sync.payload_bytes(numel) + FLAG_BYTES
+
+
+@torch.no_grad()
+def fragment_wire(sync: OuterSync, master: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
+                  names: list[str], residual: torch.Tensor | None, device: torch.device | str
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What one node sends for a fragment (names sorted), and its next residual for the fragment.
+    exact: its fp32 fragment weights and a 1 (an all-reduce sums both: the weights' sum and the nodes counted);
+    compressed: the encoded pseudo-gradient (master - local + residual) and 4 flag bytes [1, 0, 0, 0]."""
+    if sync.exact:
+        flat = flatten(local, names, device)
+        return torch.cat([flat, torch.ones(1, dtype=torch.float32, device=device)]), None
+    payload, residual = sync.encode({n: master[n] for n in names}, {n: local[n] for n in names}, residual)
+    flag = torch.tensor([1, 0, 0, 0], dtype=torch.uint8, device=payload.device)
+    return torch.cat([payload, flag]), residual
+
+
+def empty_wire(sync: OuterSync, numel: int, device: torch.device | str) -> torch.Tensor:
+    """The payload of a node that contributes nothing (it failed or left the round): zeros, count/flag 0."""
+    return torch.zeros(wire_size(sync, numel), dtype=torch.float32 if sync.exact else torch.uint8, device=device)
+
+
+@torch.no_grad()
+def fragment_average(sync: OuterSync, master: dict[str, torch.Tensor], names: list[str],
+                     wires: list[torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The nodes' mean fragment (fp32, on the master's device) from what arrived: the summed exact wires, or
+    the compressed ones in node-id order; None when no node contributed."""
+    fragment = {n: master[n] for n in names}
+    device = master[names[0]].device
+    if sync.exact:
+        summed = wires.to(device)
+        count = float(summed[-1])
+        return unflatten(summed[:-1] / count, fragment, names) if count > 0 else None
+    good = [w[:-FLAG_BYTES] for w in wires if int(w[-FLAG_BYTES]) == 1]
+    return sync.node_mean(fragment, good) if good else None
+
+
+def send_fragment(node: Node, master: dict[str, torch.Tensor], names: list[str], span: tuple[int, int],
+                  total: int, sync: OuterSync) -> torch.Tensor:
+    """A node's wire for one fragment; with error feedback its residual's slice `span` (the fragment's place
+    in the flat residual of `total` entries) is read and updated in place."""
+    residual = None
+    if sync.error_feedback:
+        if node.residual is None:
+            node.residual = torch.zeros(total, dtype=torch.float32, device=node.device)
+        residual = node.residual[span[0]:span[1]]
+    wire, kept = fragment_wire(sync, master, float_state(node.model), names, residual, node.device)
+    if kept is not None:
+        node.residual[span[0]:span[1]] = kept
+    return wire
+
+
+def sum_wires(wires: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The exact wires summed in fp32 in the order given (node-id order): what the all-reduce computes."""
+    total = torch.zeros_like(wires[0], device=device)
+    for wire in wires:
+        total += wire.to(device)
+    return total
+
+
 def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: torch.dtype = torch.float64,
-            sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None
-            ) -> dict[int, RoundResult]:
+            sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None,
+            streamed: bool = False) -> dict[int, RoundResult]:
     """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
     order (compressed: master minus the mean of the decoded pseudo-gradients, `masters` giving each trainer's);
-    and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype)."""
+    and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype).
+    streamed: the fragments' outer steps already ran during the round; no mean is taken."""
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
     combined = {}
     for trainer_id, group in by_trainer.items():
-        if sync is not None and not sync.exact:
+        if streamed:
+            mean = None
+        elif sync is not None and not sync.exact:
             mean = sync.node_mean(masters[trainer_id], [r.payload for r in group])
         else:
             mean = {}

@@ -14,6 +14,7 @@ moments describe another model's trajectory.
 from __future__ import annotations
 
 import threading
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,9 @@ class NodeJob:
     grad_chunks: int  # 0: no gradient samples; 1: the last step's gradient; k >= 2: k micro-batch gradients
     reset_optimizer: bool
     inject_fault: str = ""  # testing aid (config inject_fault): "nan" or "error"
+    # Streaming DiLoCo: the node goes on from its own weights (it served this trainer version last round)
+    # instead of loading `master`
+    keep_local: bool = False
 
 
 class RoundAbandoned(Exception):
@@ -79,6 +83,7 @@ class Node:
         # pseudo-gradients (fp32, flat). It stays with the node when it serves another trainer (a merge
         # made that trainer from this one's state) and is checkpointed with the node.
         self.residual: torch.Tensor | None = None
+        self.round_losses: list[torch.Tensor] = []  # the losses of the round so far, at a pause
 
     def optimizer_state(self) -> dict | None:
         """A copy of the inner optimizer's state (and fp16 loss scale) on the CPU; None before the first round."""
@@ -143,6 +148,18 @@ class Node:
         return torch.stack(losses).sum(), torch.stack(samples), sizes
 
     def run(self, job: NodeJob) -> NodeResult:
+        """The whole round: `num_inner_steps` inner steps from the trainer's weights."""
+        round_steps = self.steps(job)
+        while True:
+            try:
+                next(round_steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, job: NodeJob, pauses: list[int] = ()) -> Generator[int, None, NodeResult]:
+        """The round as a generator: it pauses after each inner-step count in `pauses` (yielding it), so a
+        Streaming DiLoCo round can send and land fragments between inner steps, and returns the result."""
+        pauses = set(pauses)
         if job.inject_fault == "error":
             raise InjectedFault(f"inject_fault: error on node {self.node_id}")
         while job.inject_fault == "hang":  # a stuck node: only a stop (or torchrun's kill) ends it
@@ -150,7 +167,8 @@ class Node:
                 raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")
         if job.reset_optimizer or self.optimizer is None:
             self._new_optimizer()
-        load_float_state(self.model, job.master)
+        if not job.keep_local:
+            load_float_state(self.model, job.master)
         self.model.train()
         steps, accumulation, _ = job.sample_indices.shape
         losses, grad_samples, sample_batches = [], None, None
@@ -184,6 +202,9 @@ class Node:
             self.optimizer.zero_grad(set_to_none=True)
             if bar is not None:
                 bar.update()
+            if step + 1 in pauses:
+                self.round_losses = losses
+                yield step + 1
         if bar is not None:
             bar.close()
         if grad_samples is not None and self.sketch is not None:
@@ -321,7 +342,8 @@ class DiLoCoTrainer(Trainer):
                 master.grad = master - value.to(master.device, master.dtype)  # pseudo-gradient: away from the nodes
             else:
                 master.copy_(value)  # floating buffers follow the nodes' average
-        if not all(torch.isfinite(self.master[n].grad).all() for n in self.parameter_names):
+        stepped = [n for n in node_mean if n in self.parameter_names]  # all of them, or one fragment's (streaming)
+        if not all(torch.isfinite(self.master[n].grad).all() for n in stepped):
             raise FloatingPointError(f"trainer {self.trainer_id}: non-finite pseudo-gradient; lower lr_inner")
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)

@@ -13,6 +13,11 @@ says which). What crosses the network, per round:
   decodes them all and averages in node-id order, as the simulated cluster does. All-gather rather than
   reduce-scatter + all-gather: no member re-quantizes a partial sum, so both backends give the same numbers;
   it sends n (n-1) x C in all instead of 2 (n-1) x C, the same for the 2-node trainers merges make;
+- Streaming DiLoCo (sync_fragments, sync_delay): instead of the one sync at the round's end, each fragment
+  travels on its own, within the same group, as an asynchronous collective (async_op=True) launched at its
+  send and waited for at its landing `sync_delay` inner steps later, the node training in between: its
+  fp32 weights plus a count of 1 (all-reduce SUM: the mean over the nodes counted), or its encoded
+  pseudo-gradient plus 4 flag bytes (all-gather). A node that failed or left the round sends zeros and 0;
 - per trainer, the batch test's sums within the same group: the vectors (`NodeGradientSums.vectors`: the
   b-weighted gradient sum, plus the plain sum for the nodes estimator, plus the batch; in the wire dtype
   of statistics_comm, of sketch dimension with the count sketch), then 7 fp64 scalars; the trainer's
@@ -36,7 +41,10 @@ import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.outer_sync import OuterSync
-from rounds import NodeFault, RoundResult, run_node
+from algorithms.streaming import StreamingPlan, mix_fragment
+from rounds import (NodeFault, RoundResult, advance, empty_wire, fragment_average, fragment_fault, run_node,
+                    send_fragment)
+from utils.model_state import float_state
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
 
@@ -45,7 +53,7 @@ class DistributedBackend:
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
                  grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
                  master_device: str = "cpu", statistics_wire: torch.dtype = torch.float64,
-                 sync: OuterSync | None = None) -> None:
+                 sync: OuterSync | None = None, streaming: StreamingPlan | None = None) -> None:
         self.nodes, self.rank = nodes, rank
         self.world_size = dist.get_world_size()
         self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
@@ -53,6 +61,7 @@ class DistributedBackend:
         self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters, or the sketch's k)
         self.statistics_wire = statistics_wire  # statistics_comm: the dtype the statistics' vectors travel in
         self.sync = sync or OuterSync()  # outer_compression and error feedback
+        self.streaming = streaming  # sync_fragments / sync_delay: fragments synced during the round
         self.within_node = within_node
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
         self.master_device = master_device  # where the trainers' masters (and so the node mean) live
@@ -147,19 +156,27 @@ class DistributedBackend:
             start += n
         return out
 
-    def run_round(self, jobs: list[NodeJob]):
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None):
         try:
-            return self._run_round(jobs)
+            return self._run_round(jobs, trainers)
         except RuntimeError as exc:
             raise self._failed(exc) from None
 
-    def _run_round(self, jobs: list[NodeJob]):
+    def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
         job = next(j for j in jobs if j.node_id == self.rank)
-        abandoned, outcome = False, None
-        try:
-            outcome = run_node(self.nodes[self.rank], job, self.sync)
-        except RoundAbandoned:
-            abandoned = True
+        trainer_ids = sorted({j.trainer_id for j in jobs})
+        members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainer_ids}
+        for t in trainer_ids:  # new groups are made collectively, in the same order everywhere
+            if len(members[t]) > 1:
+                self._group(members[t])
+        abandoned, outcome, outer_error = False, None, ""
+        if self.streaming is not None:
+            outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers)
+        else:
+            try:
+                outcome = run_node(self.nodes[self.rank], job, self.sync)
+            except RoundAbandoned:
+                abandoned = True
         good = isinstance(outcome, NodeResult)
         fact = {"node_id": job.node_id, "trainer_id": job.trainer_id, "abandoned": abandoned,
                 "fault": None if good or abandoned else vars(outcome),
@@ -170,15 +187,12 @@ class DistributedBackend:
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
             raise RoundAbandoned("a stop was requested")
         faults = [NodeFault(**f["fault"]) for f in facts if f["fault"] is not None]
-        trainers = sorted({j.trainer_id for j in jobs})
-        members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainers}
-        for t in trainers:  # new groups are made collectively, in the same order everywhere
-            if len(members[t]) > 1:
-                self._group(members[t])
         mine = job.trainer_id
-        good_facts = {t: [f for f in facts if f["trainer_id"] == t and f["losses"] is not None] for t in trainers}
+        good_facts = {t: [f for f in facts if f["trainer_id"] == t and f["losses"] is not None] for t in trainer_ids}
         node_mean, statistics = None, None
-        if good_facts[mine] and self.sync.exact:
+        if self.streaming is not None:
+            pass  # the fragments' outer steps ran during the round
+        elif good_facts[mine] and self.sync.exact:
             weights = self._flat(outcome.state if good else None)
             if len(members[mine]) > 1:
                 weights = self._all_reduce(weights, members[mine], "weights")
@@ -198,7 +212,7 @@ class DistributedBackend:
                                   if statistics is not None and self.rank == members[mine][0] else {})
             shared_statistics = {t: s for part in shared for t, s in part.items()}
         results = {}
-        for t in trainers:
+        for t in trainer_ids:
             group = good_facts[t]
             if not group:
                 continue
@@ -207,8 +221,86 @@ class DistributedBackend:
                 train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
                 tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
                 node_step_losses={f["node_id"]: f["losses"] for f in group},
-                learning_rate=group[0]["lr"], statistics=shared_statistics.get(t))
+                learning_rate=group[0]["lr"], statistics=shared_statistics.get(t),
+                outer_error=outer_error if t == mine else "")
         return results, faults
+
+    def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer]):
+        """This rank's node through a Streaming DiLoCo round (algorithms/streaming.py): at each send its fragment
+        wire goes into an asynchronous collective of its trainer's group (all-reduce exact, all-gather
+        compressed) and the node trains on; at the landing the rank waits for it, steps its copy of the
+        trainer's fragment and mixes it into its node. A node that failed or left the round (a stop) sends
+        empty wires until the round ends, so its group's collectives still match; every member steps."""
+        plan, sync, node = self.streaming, self.sync, self.nodes[self.rank]
+        master = trainers[job.trainer_id].master
+        numels = {n: v.numel() for n, v in master.items()}
+        spans, total = plan.offsets(numels), sum(numels.values())
+        round_steps = node.steps(job, plan.pauses)
+        outcome, abandoned, error = None, False, ""
+        in_flight: dict[int, tuple] = {}
+        for step in [*plan.pauses, None]:
+            if outcome is None and not abandoned:
+                try:
+                    out = advance(round_steps, job)
+                except RoundAbandoned:
+                    abandoned, out = True, None
+                if out is not None and not isinstance(out, int):
+                    outcome = out
+            if step is None:
+                break
+            for event in plan.events_at(step):
+                names = plan.fragments[event.fragment]
+                if not event.lands:
+                    if outcome is None and not abandoned:
+                        outcome = fragment_fault(node, job, names)
+                    if outcome is None and not abandoned:
+                        wire = send_fragment(node, master, names, spans[event.fragment], total, sync)
+                    else:
+                        wire = empty_wire(sync, sum(numels[n] for n in names), self.comm_device)
+                    in_flight[event.fragment] = self._start(wire, members)
+                    continue
+                arrived = self._land(*in_flight.pop(event.fragment), members)
+                mean = None if error else fragment_average(sync, master, names, arrived)
+                if mean is None:
+                    continue
+                try:
+                    trainers[job.trainer_id].outer_step(mean)
+                except FloatingPointError as exc:
+                    error = str(exc)
+                    continue
+                if outcome is None and not abandoned:
+                    mix_fragment(float_state(node.model), master, names, plan.alpha)
+        return outcome, abandoned, error
+
+    def _start(self, wire: torch.Tensor, members: tuple[int, ...]) -> tuple:
+        """Launch a fragment's collective (async_op): the exact wires are summed, the encoded ones gathered."""
+        on_device = wire.to(self.comm_device)
+        n = len(members)
+        if n == 1:
+            return None, on_device
+        nbytes = on_device.numel() * on_device.element_size()
+        if self.sync.exact:
+            work = dist.all_reduce(on_device, group=self._group(members), async_op=True)
+            self._count("weights", 2 * (n - 1) / n * nbytes, 0.0)
+            return work, on_device
+        parts = [torch.empty_like(on_device) for _ in members]
+        work = dist.all_gather(parts, on_device, group=self._group(members), async_op=True)
+        self._count("weights", (n - 1) * nbytes, 0.0)
+        return work, parts
+
+    def _land(self, work, arrived, members: tuple[int, ...]):
+        """Wait for a fragment's collective (the seconds counted are only what the overlap did not hide)."""
+        start = time.perf_counter()
+        if work is not None:
+            work.wait()
+            if self.comm_device != "cpu" and torch.cuda.is_available():
+                torch.cuda.synchronize(self.comm_device)
+        self.round_comm["seconds"] += time.perf_counter() - start
+        if isinstance(arrived, list):  # gathered in member order: into node-id order, as the simulation sums
+            return [arrived[members.index(n)] for n in sorted(members)]
+        if len(members) == 1 and not self.sync.exact:
+            return [arrived]
+        return arrived
 
     def _statistics(self, outcome: NodeResult | None, members: tuple[int, ...]):
         """The trainer's batch-test statistics: the nodes' vectors all-reduced in the wire dtype, then their

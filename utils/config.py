@@ -188,6 +188,15 @@ class Config:
     merge_compression: str = _f("none", "What the absorbed trainers' states (weights, outer momentum) become when they "
                                 "travel for a merge: none (fp32), bf16, fp8 or int8 (no error feedback: a merge is "
                                 "one-off).", choices=("none", "bf16", "fp8", "int8"))
+    sync_fragments: int = _f(1, "Streaming DiLoCo: the model in this many fragments (contiguous groups of layers, "
+                             "balanced by size) whose outer syncs are staggered through the round: fragment f lands "
+                             "after inner step (f+1) x num_inner_steps / sync_fragments. 1 = DiLoCo.", min=1)
+    sync_delay: int = _f(0, "Streaming DiLoCo: inner steps the nodes keep training while a fragment's reduction is in "
+                         "flight (it is sent this many steps before it lands); below num_inner_steps / "
+                         "sync_fragments.", min=0)
+    fragment_alpha: float = _f(1.0, "Streaming DiLoCo: when a fragment lands, each node's fragment becomes alpha x "
+                               "global + (1 - alpha) x its own, in (0, 1]; 1 takes the global one (the paper "
+                               "mixes 0.5 with a delay).")
     # --- evaluation and outputs ---
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
@@ -253,6 +262,16 @@ class Config:
         if (self.model_type == "bert") != (self.dataset == "imdb"):
             raise ConfigError("model_type", f"'{self.model_type}' does not go with dataset '{self.dataset}': "
                               "bert trains on imdb, microllama on embedded or c4")
+        if self.sync_fragments > self.num_inner_steps:
+            raise ConfigError("sync_fragments", f"{self.sync_fragments} fragments need at least as many inner steps "
+                              f"(num_inner_steps {self.num_inner_steps}): each syncs once per round")
+        if self.sync_delay >= self.num_inner_steps // self.sync_fragments:
+            raise ConfigError("sync_delay", f"{self.sync_delay} must be below num_inner_steps / sync_fragments = "
+                              f"{self.num_inner_steps} / {self.sync_fragments} (rounded down: "
+                              f"{self.num_inner_steps // self.sync_fragments}): a fragment must land before the "
+                              "next is sent")
+        if not 0 < self.fragment_alpha <= 1:
+            raise ConfigError("fragment_alpha", f"{self.fragment_alpha} is not in (0, 1]")
         if not 0 < self.topk_fraction <= 1:
             raise ConfigError("topk_fraction", f"{self.topk_fraction} is not in (0, 1] (the share of entries sent)")
         unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
@@ -366,7 +385,7 @@ MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffix
 # Keys that decide numbers but came after the first checkpoint format: at their defaults they do what the
 # versions before them did, so they leave the config hash (and so --resume of older runs) unchanged.
 ADDED_LATER = frozenset({"statistics_comm", "statistics_sketch_dim", "outer_compression", "topk_fraction",
-                         "error_feedback", "merge_compression"})
+                         "error_feedback", "merge_compression", "sync_fragments", "sync_delay", "fragment_alpha"})
 
 RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",

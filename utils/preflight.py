@@ -50,6 +50,10 @@ def check_model(cfg: Config) -> None:
     limit = config.get("max_position_embeddings") if isinstance(config, dict) else None
     if isinstance(limit, int) and cfg.seq_len > limit:
         raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
+    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if isinstance(layers, int) and cfg.sync_fragments > layers:  # the real model is checked again when built
+        raise ConfigError("sync_fragments", f"{cfg.sync_fragments} fragments, but model '{name}' has {layers} layers: "
+                          "at most one fragment per layer")
 
 
 def read_tokenized_metadata(path: Path) -> dict:
