@@ -63,10 +63,18 @@ def test_paths_stay_in_their_place(override, key):
     ("statistics_sketch_dim=0", "statistics_sketch_dim", "below the minimum 1"),
     ("outer_compression=int4", "outer_compression", "int8"), ("statistics_comm=fp16", "statistics_comm", "sketch"),
     ("merge_compression=topk", "merge_compression", "int8"),
+    ("num_inner_steps=20 sync_fragments=2 sync_delay=10", "sync_delay",
+     "below num_inner_steps / sync_fragments = 20 / 2"),
+    ("num_inner_steps=5 sync_fragments=2 sync_delay=2", "sync_delay", "(rounded down: 2)"),
+    ("num_inner_steps=3 sync_fragments=4", "sync_fragments", "need at least as many inner steps"),
+    ("num_inner_steps=20 sync_fragments=5", "sync_fragments", "model 'microllama-tiny' has 4 layers"),
+    ("sync_delay=-1", "sync_delay", "below the minimum 0"), ("fragment_alpha=0", "fragment_alpha", "(0, 1]"),
+    ("fragment_alpha=1.5", "fragment_alpha", "(0, 1]"),
 ])
 def test_bad_communication_settings_stop_in_one_line_before_any_work(override, key, words, tmp_path, capsys):
     logs = tmp_path / "logs"
-    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off", override]) == 2
+    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off",
+                 *override.split()]) == 2
     (line,) = error_lines(capsys)
     assert f"'{key}'" in line and words in line, line
     assert not logs.exists()  # nothing was made

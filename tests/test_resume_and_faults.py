@@ -197,6 +197,60 @@ def test_a_compressed_run_stopped_by_sigterm_resumes_bit_exactly(tmp_path, cache
     assert_same_run(full, run_dir)
 
 
+STREAMED = [*COMPRESSED, "num_inner_steps=4", "sync_fragments=2", "sync_delay=1", "fragment_alpha=0.5"]
+
+
+def test_a_streaming_run_stopped_with_a_fragment_in_flight_resumes_bit_exactly(tmp_path, cache_dir, monkeypatch):
+    """Streaming DiLoCo with int8 and error feedback: fragments land mid-round (the trainers step) and the
+    nodes' own weights go on from round to round. A stop while a fragment is in flight (set at the first
+    send of outer step 3, the nodes as threads) and a real SIGTERM at an arbitrary point both roll the round
+    back and checkpoint the state after the last complete step, the nodes' weights included; both resumed
+    runs equal the uninterrupted one bit for bit."""
+    import cluster
+    from utils.errors import RunStopped
+    from utils.signals import StopSignals
+
+    full, _ = train(load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "a", "run_name=full",
+                                                                 f"num_outer_steps={STEPS}", *STREAMED)))
+    stop, sends = StopSignals(), {"n": 0}
+    real_send = cluster.send_fragment
+
+    def send(node, *args):
+        sends["n"] += 1
+        # 2 fragments x 4 nodes per round: call 17 is outer step 3's first send; the nodes then train one
+        # more inner step with that fragment in flight, and leave at the step after
+        if sends["n"] == 17:
+            stop.signum = signal.SIGTERM
+            stop.event.set()  # what the signal handler does
+        return real_send(node, *args)
+
+    monkeypatch.setattr(cluster, "send_fragment", send)
+    cfg = load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "b", "run_name=flight",
+                                                      "node_execution=threads", f"num_outer_steps={STEPS}",
+                                                      *STREAMED))
+    with pytest.raises(RunStopped, match="stopped by SIGTERM after outer step 2"):
+        train(cfg, None, stop)
+    monkeypatch.undo()
+    run_dir = tmp_path / "b" / "flight"
+    (checkpoint,) = sorted((run_dir / "model_weights").iterdir())
+    state = torch.load(checkpoint / "resume_state.pt", weights_only=True)
+    assert len(state["node_weights"]) == 4 and all(w for w in state["node_weights"])  # the nodes' own weights
+    assert state["continues"] and "trainer_states" not in state
+    run_dir, _ = resume(run_dir, "node_execution=sequential")
+    assert_same_run(full, run_dir)
+
+    run_dir = tmp_path / "c" / "sig"
+    proc = subprocess.Popen(cli(cache_dir, tmp_path / "c", "run_name=sig", "num_outer_steps=40", *STREAMED),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "[outer 3/" in (run_dir / "training_log.log").read_text()
+             if (run_dir / "training_log.log").is_file() else False, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    run_dir, _ = resume(run_dir)
+    assert_same_run(full, run_dir)
+
+
 def test_status_json_says_how_a_run_ended(tmp_path, cache_dir):
     """completed / fault / failed, written atomically by the process that held the directory."""
     args = ["--config", str(ROOT / "config.yaml"), *TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path}"]
