@@ -32,15 +32,25 @@ from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test, statistics_
 from algorithms.outer_sync import OuterSync
 from algorithms.policies import build_merge_policy
 from algorithms.sketch import CountSketch, sketch_coefficients
+from algorithms.streaming import StreamingPlan, mix_fragment
 from algorithms.switch_mode import build_switch_mode
 from algorithms.traffic import Traffic
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import EvalResult, Evaluator
 from fabrics.models import replicate
 from fabrics.precision import build_precision
-from algorithms.streaming import StreamingPlan, mix_fragment
-from rounds import (NodeFault, RoundResult, advance, combine, fragment_average, fragment_fault, run_node,
-                    send_fragment, sum_wires, wire_size)
+from rounds import (
+    NodeFault,
+    RoundResult,
+    advance,
+    combine,
+    fragment_average,
+    fragment_fault,
+    run_node,
+    send_fragment,
+    sum_wires,
+    wire_size,
+)
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from training_logs.training_monitoring import TrainingLogger
 from utils.checkpoint import Checkpoint, prune_checkpoints, save_checkpoint

@@ -9,7 +9,9 @@ allreduce_bytes     a ring all-reduce of the fp32 pseudo-gradients among a train
                     sends 2 (n-1)/n x P, so 2 (n-1) x P in all; 0 for n = 1. Every node then applies the
                     same outer step to its own copy of the trainer's weights, so no weights move.
                     With outer_compression, each node's encoded pseudo-gradient C (values, scales,
-                    indices) is all-gathered instead: n (n-1) x C in all.
+                    indices) is all-gathered instead: n (n-1) x C in all. Streaming DiLoCo
+                    (sync_fragments): one such collective per fragment, each payload with a 4-byte
+                    count (exact) or flag (compressed); each counts as a sync.
 merge_bytes         the absorbed trainers' fp32 weights (and outer momentum, when it exists) travel to
                     the survivor's first node, which computes the weighted average (encoded by
                     merge_compression, when set).

@@ -42,11 +42,19 @@ import torch.distributed as dist
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan, mix_fragment
-from rounds import (NodeFault, RoundResult, advance, empty_wire, fragment_average, fragment_fault, run_node,
-                    send_fragment)
-from utils.model_state import float_state
+from rounds import (
+    NodeFault,
+    RoundResult,
+    advance,
+    empty_wire,
+    fragment_average,
+    fragment_fault,
+    run_node,
+    send_fragment,
+)
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
+from utils.model_state import float_state
 
 
 class DistributedBackend:
