@@ -762,6 +762,8 @@ class ClusterController:
             "capped_requests": self.logger.capped_requests,
             "largest_capped_request": self.logger.largest_capped_request,
         }
+        if self.streaming is not None:  # each node's payload per fragment (benchmarks/network.py prices them)
+            summary["fragment_bytes"] = self.fragment_bytes
         if sent is not None:  # weights == bytes_communicated: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent
         if not math.isfinite(scores[final_id]):

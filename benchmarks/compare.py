@@ -91,7 +91,9 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
     return chosen
 
 
-# compressed outer sync and sketched statistics; diloco_* use the middle --diloco_batches batch (8 by default)
+# compressed outer sync, sketched statistics and streaming; diloco_* use the middle --diloco_batches batch (8 by
+# default)
+STREAMING = ["sync_fragments=4", "sync_delay=1", "fragment_alpha=0.5"]
 COMMUNICATION_VARIANTS = {
     "adloco_sketch": ["statistics_comm=sketch"],
     "adloco_int8": ["outer_compression=int8"],
@@ -100,6 +102,11 @@ COMMUNICATION_VARIANTS = {
     "adloco_topk": ["outer_compression=topk"],
     "diloco_int8": ["outer_compression=int8"],
     "diloco_topk": ["outer_compression=topk"],
+    # Streaming DiLoCo: 4 fragments (one per block of microllama-tiny), each overlapping one inner step, mixed
+    # half and half when it lands (Douillard et al. 2025's alpha with overlap)
+    "adloco_streaming": STREAMING,
+    "adloco_streaming_int8": [*STREAMING, "outer_compression=int8"],
+    "diloco_streaming": STREAMING,
 }
 
 

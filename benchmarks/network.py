@@ -21,8 +21,12 @@ algorithms/traffic.py). The model turns that into predicted wall time:
                     merges into different survivors run in parallel, into one survivor one after another
     node moves      = latency + the state one node receives / bandwidth, all moving nodes in parallel
 
+    streaming       (sync_fragments, sync_delay = tau): one collective per fragment (its payload as the run
+                    sent it, summary.json `fragment_bytes`), each launched tau inner steps before it must
+                    land: it costs only what sticks out, max(0, its time - tau x the round's compute / H)
+
 Bandwidth is per node link and per direction; latency is per message. ASSUMPTIONS (what it ignores):
-no overlap of compute and communication, no stragglers (every node computes at node_throughput, whatever
+no overlap of compute and communication (except streaming's tau inner steps), no stragglers (every node computes at node_throughput, whatever
 its batch), no contention between trainers or moves sharing links, evaluation and checkpoint time left
 out, a node's throughput independent of its batch size (on GPUs larger batches run faster per token,
 which favours large and growing batches).
@@ -127,6 +131,28 @@ class TrainerRound:
     tokens: float  # tokens all the trainer's nodes processed in the round
     statistics_bytes: int = 0  # the batch test's statistics per node, both reductions (0: none travel)
     sync_bytes: int = 0  # outer_compression: each node's encoded payload, all-gathered (0: fp32 all-reduce of P)
+    # Streaming DiLoCo: each fragment's payload per node (one collective each; empty: one sync of the whole
+    # model), the inner steps a collective overlaps (sync_delay) and the round's inner steps
+    fragment_bytes: tuple[int, ...] = ()
+    overlap_steps: int = 0
+    inner_steps: int = 1
+
+    def sync_time(self, net: Network, weight_bytes: int, compute: float) -> float:
+        """What the outer sync adds to the round: one collective of the whole model, or (streaming) each
+        fragment's collective minus the `overlap_steps` inner steps of compute that hide it."""
+        gathered = self.sync_bytes > 0
+        if not self.fragment_bytes:
+            return net.allgather(self.num_nodes, self.sync_bytes) if gathered else net.allreduce(self.num_nodes,
+                                                                                                weight_bytes)
+        hidden = self.overlap_steps * compute / self.inner_steps
+        return sum(max(0.0, (net.allgather(self.num_nodes, b) if gathered else net.allreduce(self.num_nodes, b))
+                       - hidden) for b in self.fragment_bytes)
+
+    def sent_bytes(self, weight_bytes: int) -> int:
+        """All nodes' outer-sync bytes in the round, on algorithms/traffic.py's definitions."""
+        n = self.num_nodes
+        payloads = self.fragment_bytes or (self.sync_bytes or weight_bytes,)
+        return sum(n * (n - 1) * b if self.sync_bytes else ring_allreduce_bytes(n, b) for b in payloads)
 
 
 @dataclass
@@ -158,7 +184,7 @@ def round_time(work: RoundWork, net: Network, node_throughput: float, weight_byt
         if t.num_nodes == 0:  # every node of the trainer failed this round (on_node_fault: skip)
             continue
         own = t.tokens / t.num_nodes / node_throughput
-        sync = net.allgather(t.num_nodes, t.sync_bytes) if t.sync_bytes else net.allreduce(t.num_nodes, weight_bytes)
+        sync = t.sync_time(net, weight_bytes, own)
         if t.statistics_bytes and t.num_nodes > 1:
             scalars = 8 * NodeGradientSums.SCALARS  # the second reduction, once the trainer's mean is known
             sync += net.allreduce(t.num_nodes, t.statistics_bytes - scalars) + net.allreduce(t.num_nodes, scalars)
@@ -220,6 +246,9 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
     weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     stats = _statistics_bytes(run_config, weight_bytes, statistics)
     sync_bytes = _sync_bytes(run_config, weight_bytes)
+    streaming = {"fragment_bytes": tuple(summary.get("fragment_bytes") or ()),
+                 "overlap_steps": int(run_config.get("sync_delay", 0)),
+                 "inner_steps": int(run_config.get("num_inner_steps", 1))}
     tokens_before = {r["trainer_id"]: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0
     rounds = []
@@ -233,7 +262,7 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
         for r in trained:
             seen = float(r["tokens_seen"])
             work.trainers.append(TrainerRound(int(r["num_nodes"]), seen - tokens_before.get(r["trainer_id"], 0.0),
-                                              stats, sync_bytes))
+                                              stats, sync_bytes, **streaming))
             tokens_before[r["trainer_id"]] = seen
         for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
             for merged in m["merged"].split():
@@ -259,8 +288,7 @@ def accounted_bytes(rounds: list[RoundWork], weight_bytes: int) -> int:
     """The weights traffic the model charges, on algorithms/traffic.py's definitions (a check against the run)."""
     total = 0
     for work in rounds:
-        total += sum(t.num_nodes * (t.num_nodes - 1) * t.sync_bytes if t.sync_bytes
-                     else ring_allreduce_bytes(t.num_nodes, weight_bytes) for t in work.trainers)
+        total += sum(t.sent_bytes(weight_bytes) for t in work.trainers)
         total += sum(nbytes for _, nbytes in work.merges) + work.node_move_bytes
     return total
 

@@ -252,6 +252,8 @@ def test_communication_variants_are_named_overrides_left_out_of_all():
     assert chosen["adloco_int8_sketch"] == ["outer_compression=int8", "statistics_comm=sketch"]
     # DiLoCo compressed: the middle DiLoCo batch (8), one trainer, then the scheme
     assert chosen["diloco_int8"] == [*chosen["diloco_b8"], "outer_compression=int8"]
+    assert chosen["diloco_streaming"] == [*chosen["diloco_b8"], "sync_fragments=4", "sync_delay=1",
+                                          "fragment_alpha=0.5"]
     assert set(COMMUNICATION_VARIANTS) <= set(chosen)
     for name in COMMUNICATION_VARIANTS:  # every override is a valid config
         load_config(ROOT / "configs" / "compare_cpu.yaml", chosen[name])

@@ -347,6 +347,7 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
     then stepped and mixed: both backends take the same decisions with the same numbers, and the collectives
     sent what the accounting says, one payload per fragment (with its 4 flag bytes)."""
     from algorithms.streaming import fragment_names
+    from benchmarks.network import accounted_bytes, read_rounds
     from fabrics.models import build_model
     from utils.config import load_config
 
@@ -375,3 +376,7 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
     payload = sum(n + 4 * -(-n // 1024) + 4 for n in sizes)
     nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]
     assert expected["allreduce_bytes"] == sum(n * (n - 1) * payload for n in nodes) > 0
+    # and the network model reads the same bytes back, fragment by fragment
+    rounds, weight_bytes, communicated = read_rounds(expected_dir)
+    assert all(t.fragment_bytes and t.overlap_steps == 1 for w in rounds for t in w.trainers)
+    assert accounted_bytes(rounds, weight_bytes) == communicated == expected["bytes_communicated"]

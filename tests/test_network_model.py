@@ -90,6 +90,28 @@ def test_a_compressed_sync_is_an_all_gather_of_the_payload():
     assert SLOW.allgather(1, 10**6) == 0.0
 
 
+def test_streaming_fragments_cost_only_what_the_delay_does_not_hide():
+    """2 nodes, 1000 tokens per node at 1000 tokens/s over H = 10 inner steps (0.1 s each); two fragments of
+    0.5 MB (+4 bytes): each ring all-reduce takes 2 x 10 ms + 0.5 MB / (1 MB/s) = 0.52 s (the 4 bytes aside)."""
+    def work(delay):
+        fragments = TrainerRound(2, 2000, fragment_bytes=(500_004, 500_004), overlap_steps=delay, inner_steps=10)
+        return RoundWork(1, [fragments], merges=[])
+
+    one = SLOW.allreduce(2, 500_004)
+    assert one == pytest.approx(0.52, abs=1e-5)
+    assert round_time(work(0), SLOW, 1000, 10**6).communication == pytest.approx(2 * one)  # F latencies, no hiding
+    assert round_time(work(1), SLOW, 1000, 10**6).communication == pytest.approx(2 * (one - 0.1))
+    assert round_time(work(4), SLOW, 1000, 10**6).communication == pytest.approx(2 * (one - 0.4))
+    fast = Network("fast", bandwidth=100 * MB, latency=0.001)  # 2 x 1 ms + 5 ms < one inner step: all hidden
+    assert round_time(work(1), fast, 1000, 10**6).communication == 0.0
+    assert accounted_bytes([work(1)], 10**6) == 2 * ring_allreduce_bytes(2, 500_004)
+    gathered = TrainerRound(2, 2000, sync_bytes=250_000, fragment_bytes=(125_008, 125_008), overlap_steps=1,
+                            inner_steps=10)  # compressed: each fragment's payload all-gathered
+    assert accounted_bytes([RoundWork(1, [gathered], merges=[])], 10**6) == 2 * 2 * 1 * 125_008
+    assert round_time(RoundWork(1, [gathered], merges=[]), SLOW, 1000, 10**6).communication == \
+        pytest.approx(2 * (SLOW.allgather(2, 125_008) - 0.1))
+
+
 def test_latency_is_paid_per_round_and_bandwidth_per_byte():
     rounds = [RoundWork(step, [TrainerRound(4, 4000)], merges=[]) for step in (1, 2, 3)]
     instant = Network("no bandwidth limit", bandwidth=1e30, latency=0.05)
