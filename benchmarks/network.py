@@ -26,10 +26,10 @@ algorithms/traffic.py). The model turns that into predicted wall time:
                     land: it costs only what sticks out, max(0, its time - tau x the round's compute / H)
 
 Bandwidth is per node link and per direction; latency is per message. ASSUMPTIONS (what it ignores):
-no overlap of compute and communication (except streaming's tau inner steps), no stragglers (every node computes at node_throughput, whatever
-its batch), no contention between trainers or moves sharing links, evaluation and checkpoint time left
-out, a node's throughput independent of its batch size (on GPUs larger batches run faster per token,
-which favours large and growing batches).
+no overlap of compute and communication (except streaming's tau inner steps), no stragglers (every node
+computes at node_throughput, whatever its batch), no contention between trainers or moves sharing links,
+evaluation and checkpoint time left out, a node's throughput independent of its batch size (on GPUs
+larger batches run faster per token, which favours large and growing batches).
 """
 
 from __future__ import annotations
