@@ -13,6 +13,8 @@ DIR/gpu_check.md after every step (and printed at the end):
   run_threads  the same with node_execution: threads, 4 nodes on one GPU, against the sequential run
   torchrun     torchrun --standalone --nproc-per-node 2 on one GPU with NCCL (gloo with CUDA nodes if NCCL
                refuses two processes on one device), against the simulated cluster on the same GPU
+  torchrun_comm  the same with outer_compression int8, statistics_comm sketch and Streaming DiLoCo (2
+               fragments, sync_delay 1: asynchronous collectives in flight during inner steps)
   system       benchmarks.system --device cuda, microllama-300m at seq 512, fp32 / tf32 / bf16 /
                bf16+compile: tokens/s, MFU, engine vs plain loop, run.py rounds vs the node loop
 
@@ -54,6 +56,10 @@ RUN = ["devices=[cuda]", "nodes_per_gpu=4", "num_init_trainers=4", "num_outer_st
        "tokenizer_vocab_size=512", "embedded_sources=[tiny]", "clearml_mode=off"]
 TORCHRUN = [o for o in RUN if not o.startswith(("nodes_per_gpu", "num_init_trainers"))] + [
     "nodes_per_gpu=2", "num_init_trainers=2"]
+# torchrun_comm: the compressed outer sync, the sketched statistics and Streaming DiLoCo's asynchronous
+# fragment collectives (issue 22) on the GPU, against the simulated cluster
+COMM = ["outer_compression=int8", "statistics_comm=sketch", "statistics_sketch_dim=256", "sync_fragments=2",
+        "sync_delay=1", "merge_compression=int8"]
 TARGETS = {  # name -> (what, threshold)
     "engine_over_plain_bf16_compile": ("engine node loop / plain loop, bf16 + compile", 0.9),
     "mfu_bf16_compile": ("microllama-300m MFU, bf16 + compile (datasheet peak)", 0.40),
@@ -173,20 +179,25 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
                 step.ok = step.ok and step.detail["against_run_fp32"]["within"]
         else:
             step.ok = False
-    elif step.name == "torchrun":
-        code, text = run("simulated_2_nodes", [python, "run.py", *TORCHRUN, f"log_dir={runs}", "run_name=simulated"],
-                         step.max_s / 3)
-        launch = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "run.py", *TORCHRUN,
+    elif step.name in ("torchrun", "torchrun_comm"):
+        config = [*TORCHRUN, *(COMM if step.name == "torchrun_comm" else [])]
+        tag = step.name.removeprefix("torchrun")  # "" or "_comm": each pair of runs in its own directories
+        code, text = run(f"simulated_2_nodes{tag}", [python, "run.py", *config, f"log_dir={runs}",
+                                                     f"run_name=simulated{tag}"], step.max_s / 3)
+        launch = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "run.py", *config,
                   f"log_dir={runs}"]
-        code, text = run("torchrun_nccl", [*launch, "dist_backend=nccl", "run_name=torchrun_nccl"], step.max_s / 3)
+        code, text = run(f"torchrun_nccl{tag}", [*launch, "dist_backend=nccl", f"run_name=torchrun_nccl{tag}"],
+                         step.max_s / 3)
         step.detail["nccl"] = "ok" if code == 0 else last_error_line(text)
         backend = "nccl"
         if code != 0:  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): gloo with CUDA nodes
             backend = "gloo"
-            code, text = run("torchrun_gloo", [*launch, "dist_backend=gloo", "run_name=torchrun_gloo"], step.max_s / 3)
+            code, text = run(f"torchrun_gloo{tag}", [*launch, "dist_backend=gloo", f"run_name=torchrun_gloo{tag}"],
+                             step.max_s / 3)
         step.detail["backend"] = backend
-        if code == 0 and (runs / "simulated" / "summary.json").is_file():
-            step.detail["against_simulated"] = compare_runs(runs / "simulated", runs / f"torchrun_{backend}", 1e-3)
+        if code == 0 and (runs / f"simulated{tag}" / "summary.json").is_file():
+            step.detail["against_simulated"] = compare_runs(runs / f"simulated{tag}", runs / f"torchrun_{backend}{tag}",
+                                                            1e-3)
             step.ok = step.detail["against_simulated"]["same_decisions"] and step.detail["against_simulated"]["within"]
         else:
             step.ok = False
@@ -268,6 +279,7 @@ STEPS = [("cuda_tests", "pytest -m cuda (tests/test_cuda.py)", 150), ("run_fp32"
          ("run_bf16", "run.py on cuda, bf16 autocast", 60),
          ("run_threads", "run.py, 4 nodes as threads on one GPU", 60),
          ("torchrun", "torchrun, 2 processes on one GPU, vs the simulated cluster", 120),
+         ("torchrun_comm", "the same with int8 + error feedback, sketched statistics, 2 streamed fragments", 120),
          ("system", "benchmarks.system, microllama-300m seq 512", 240)]
 
 

@@ -93,6 +93,8 @@ def test_every_run_the_check_makes_is_a_valid_config():
     for backend in ("nccl", "gloo"):
         cfg = load_config(ROOT / "config.yaml", [*gpu_check.TORCHRUN, f"dist_backend={backend}"])
         assert cfg.total_nodes == 2  # torchrun --nproc-per-node 2
+        cfg = load_config(ROOT / "config.yaml", [*gpu_check.TORCHRUN, *gpu_check.COMM, f"dist_backend={backend}"])
+        assert cfg.sync_fragments == 2 and cfg.outer_compression == "int8"
 
 
 def test_two_recorded_runs_are_compared_by_decisions_and_perplexity(tmp_path):
