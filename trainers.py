@@ -1,8 +1,9 @@
 """Inner and outer optimisation: nodes run H inner steps; trainers apply the outer step.
 
 Node    one simulated worker: a model replica on its device and its own inner optimizer, both built
-        once. Each round it copies its trainer's weights in and takes `num_inner_steps` optimizer
-        steps (each over loader_batch x accumulation_steps sequences).
+        once. Each round it copies its trainer's weights in (Streaming DiLoCo: only when it does not
+        go on from its own) and takes `num_inner_steps` optimizer steps (each over loader_batch x
+        accumulation_steps sequences), pausing where a streamed fragment is sent or lands.
 Trainer one model instance: an fp32 master copy of the weights ("original_parameters" in torchft),
         the requested batch and, for DiLoCo, the outer optimizer.
 
