@@ -308,13 +308,9 @@ COMPRESSED = ["outer_compression=int8", "error_feedback=true", "statistics_comm=
               "merge_compression=int8"]
 
 
-def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simulated_cluster(tmp_path, cache_dir):
-    """What crosses the network is the encoded payload (all-gathered) and the sketched sums: both backends
-    take the same decisions with the same numbers, and the collectives sent exactly what the accounting says."""
-    # One intra-op thread in both (torchrun's default): int8 turns an fp32 difference at a rounding boundary
-    # into a whole step, so the nodes' own arithmetic must match too; a process of its own keeps the
-    # thread count out of this test process.
-    args = [*RUN, *COMPRESSED, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
+def _simulated_then_torchrun(tmp_path, args):
+    """The simulated run (3 merges, a batch increase) and the 4-process torchrun one: same decisions; both
+    summaries."""
     sim = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "run_name=sim"], cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert sim.returncode == 0, sim.stderr[-3000:]
@@ -325,7 +321,17 @@ def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simula
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_decisions(expected_dir, tmp_path / "dist")
-    got = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    return expected_dir, expected, json.loads((tmp_path / "dist" / "summary.json").read_text())
+
+
+def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simulated_cluster(tmp_path, cache_dir):
+    """What crosses the network is the encoded payload (all-gathered) and the sketched sums: both backends
+    take the same decisions with the same numbers, and the collectives sent exactly what the accounting says."""
+    # One intra-op thread in both (torchrun's default): int8 turns an fp32 difference at a rounding boundary
+    # into a whole step, so the nodes' own arithmetic must match too; a process of its own keeps the
+    # thread count out of this test process.
+    args = [*RUN, *COMPRESSED, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
+    expected_dir, expected, got = _simulated_then_torchrun(tmp_path, args)
     for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes"):
         assert got[key] == expected[key], key
     sent = got["bytes_sent_by_collectives"]
@@ -352,17 +358,7 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
     from utils.config import load_config
 
     args = [*RUN, *STREAMED, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
-    sim = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "run_name=sim"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
-    assert sim.returncode == 0, sim.stderr[-3000:]
-    expected_dir = tmp_path / "sim"
-    expected = json.loads((expected_dir / "summary.json").read_text())
-    assert expected["merges"] == 3 and expected["batch_increases"] >= 1
-    proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *args, "run_name=dist"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_same_decisions(expected_dir, tmp_path / "dist")
-    got = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    expected_dir, expected, got = _simulated_then_torchrun(tmp_path, args)
     for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes",
                 "syncs"):
         assert got[key] == expected[key], key

@@ -176,19 +176,25 @@ COMPRESSED = ["outer_compression=int8", "error_feedback=true", "statistics_comm=
               "merge_compression=int8"]
 
 
-def test_a_compressed_run_stopped_by_sigterm_resumes_bit_exactly(tmp_path, cache_dir):
-    """Error-feedback residuals are node state: a round cut by SIGTERM rolls them back with the rest, the
-    checkpoint holds them (and the sketch), and the resumed run equals the uninterrupted one bit for bit."""
-    full, _ = train(load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "a", "run_name=full",
-                                                                 f"num_outer_steps={STEPS}", *COMPRESSED)))
-    run_dir = tmp_path / "b" / "sig"
-    proc = subprocess.Popen(cli(cache_dir, tmp_path / "b", "run_name=sig", "num_outer_steps=40", *COMPRESSED),
+def sigterm_after_outer_step_3(cache_dir, log_dir, extra):
+    """A 40-step run in its own process, sent SIGTERM once outer step 3 is logged: it exits 143; its run dir."""
+    run_dir = log_dir / "sig"
+    proc = subprocess.Popen(cli(cache_dir, log_dir, "run_name=sig", "num_outer_steps=40", *extra),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "[outer 3/" in (run_dir / "training_log.log").read_text()
              if (run_dir / "training_log.log").is_file() else False, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
+    return run_dir
+
+
+def test_a_compressed_run_stopped_by_sigterm_resumes_bit_exactly(tmp_path, cache_dir):
+    """Error-feedback residuals are node state: a round cut by SIGTERM rolls them back with the rest, the
+    checkpoint holds them (and the sketch), and the resumed run equals the uninterrupted one bit for bit."""
+    full, _ = train(load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "a", "run_name=full",
+                                                                 f"num_outer_steps={STEPS}", *COMPRESSED)))
+    run_dir = sigterm_after_outer_step_3(cache_dir, tmp_path / "b", COMPRESSED)
     stopped_at = latest_checkpoint(run_dir / "model_weights", load_config(run_dir / "config.yaml").meaning_hash())
     state = torch.load(stopped_at.path / "resume_state.pt", weights_only=True)
     assert any(r is not None and r.abs().sum() > 0 for r in state["residuals"])  # what int8 dropped, kept
@@ -239,14 +245,7 @@ def test_a_streaming_run_stopped_with_a_fragment_in_flight_resumes_bit_exactly(t
     run_dir, _ = resume(run_dir, "node_execution=sequential")
     assert_same_run(full, run_dir)
 
-    run_dir = tmp_path / "c" / "sig"
-    proc = subprocess.Popen(cli(cache_dir, tmp_path / "c", "run_name=sig", "num_outer_steps=40", *STREAMED),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: "[outer 3/" in (run_dir / "training_log.log").read_text()
-             if (run_dir / "training_log.log").is_file() else False, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
+    run_dir = sigterm_after_outer_step_3(cache_dir, tmp_path / "c", STREAMED)
     run_dir, _ = resume(run_dir)
     assert_same_run(full, run_dir)
 
