@@ -1,10 +1,12 @@
-"""The network cost model of benchmarks/network.py on hand-computed cases."""
+"""The network cost model of benchmarks/network.py on hand-computed cases (lockstep=True: one round alone;
+algorithms/clock.py's own cases are in test_clock.py)."""
 
 import pytest
 
 from algorithms.traffic import ring_allreduce_bytes
 from benchmarks.network import (
     PRESETS,
+    MergeWork,
     Network,
     RoundWork,
     TrainerRound,
@@ -12,12 +14,23 @@ from benchmarks.network import (
     parse_bandwidth,
     parse_latency,
     parse_network,
-    round_time,
     timeline,
 )
 
 MB = 1e6
 SLOW = Network("slow", bandwidth=1 * MB, latency=0.01)  # 1 MB/s, 10 ms
+
+
+class Spent:
+    """One round's predicted time: total, compute alone, and what the network adds."""
+
+    def __init__(self, work: RoundWork, net: Network, node_throughput: float, weight_bytes: int) -> None:
+        times, self.compute = timeline([work], net, node_throughput, weight_bytes, lockstep=True)
+        self.total = times[work.step]
+        self.communication = self.total - self.compute
+
+
+round_time = Spent
 
 
 @pytest.mark.parametrize("text, expected", [("10Gbit/s", 1.25e9), ("100 Mbps", 12.5e6), ("1.25GB/s", 1.25e9),
@@ -64,7 +77,8 @@ def test_ring_allreduce_time_and_bytes():
 def test_a_round_by_hand_trainers_in_parallel_merges_by_survivor_moves_in_parallel():
     work = RoundWork(1, [TrainerRound(1, 1000),  # 1 s, no sync
                          TrainerRound(2, 4000)],  # 2 s per node + ring of 1 MB over 2: 2 x (0.01 + 0.5)
-                     merges=[(0, 2 * 10**6), (0, 10**6), (5, 10**6)],  # into 0: 2.01 + 1.01; into 5: 1.01
+                     merges=[MergeWork(0, 2 * 10**6), MergeWork(0, 10**6),  # into 0: 2.01 + 1.01; into 5: 1.01
+                             MergeWork(5, 10**6)],
                      node_moves=2, node_move_bytes=2 * 10**6)  # each node receives 1 MB: 1.01, in parallel
     spent = round_time(work, SLOW, node_throughput=1000, weight_bytes=10**6)
     assert spent.compute == pytest.approx(2.0)

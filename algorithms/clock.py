@@ -1,0 +1,379 @@
+"""The simulated clock: what a heterogeneous cluster and its network would take, round by round.
+
+It observes and never changes training's numbers (only `inner_steps_by_speed` asks it how many inner
+steps each node can take). The cluster (cluster.py) drives it live, from each round's jobs; benchmarks/
+network.py replays finished runs through it. Its parts:
+
+ThroughputCurve  tokens/s of one node at speed 1 against its micro-batch and accumulation steps: flat
+                 (today's assumption), measured on the device in hand (`benchmarks.system --curve`), or
+                 a file of the user's own measurements. Between measured micro-batches: linear; above the
+                 largest: its value (saturated); accumulation levels between those measured: the largest
+                 measured level below.
+SyncCost         what a trainer's collectives take at the end of its round (algorithms/network.py's ring
+                 model): the fp32 all-reduce of the weights or the all-gather of encoded payloads, one per
+                 fragment for Streaming DiLoCo (each hidden by `overlap_steps` inner steps), and the batch
+                 test's statistics (two all-reduces).
+NodeSchedule     nodes that leave and come back, and nodes that slow down (config `node_schedule`).
+Clock            the timeline. Each node computes its round in tokens / (curve x speed / slowdown)
+                 seconds, from when both it and its trainer are ready (plus receiving the trainer's state
+                 when it moves); a trainer's round ends when its slowest node and then its collectives
+                 finish. Trainers advance independently between merges; a merge waits for its members, then
+                 for the absorbed states to reach the survivor. A node is idle whenever it is present and
+                 not computing (waiting for stragglers, collectives, merges, or its trainer's turn).
+                 lockstep=True is the older model: every round starts when the slowest trainer's last round
+                 (and merges, and node moves) ended.
+
+Utilisation = busy node-seconds / available node-seconds (nodes that left are not available);
+goodput = tokens trained / simulated seconds. Evaluation and checkpoint time are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from algorithms.calc_batch import NodeGradientSums
+from algorithms.network import Network
+
+
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ThroughputCurve:
+    """Tokens per second of one node at speed 1: (micro_batch, accumulation, tokens_per_s) points."""
+
+    points: tuple[tuple[int, int, float], ...]
+    source: str = ""
+
+    @classmethod
+    def flat(cls, tokens_per_s: float) -> ThroughputCurve:
+        return cls(((1, 1, float(tokens_per_s)),), f"flat, {tokens_per_s:g} tokens/s")
+
+    @property
+    def is_flat(self) -> bool:
+        return len(self.points) == 1
+
+    @property
+    def largest_micro_batch(self) -> int:
+        """The largest micro-batch measured without accumulation (a flat curve covers every batch)."""
+        return math.inf if self.is_flat else max(b for b, a, _ in self.points if a == 1)
+
+    def tokens_per_s(self, micro_batch: int, accumulation: int = 1) -> float:
+        levels = sorted({a for _, a, _ in self.points})
+        level = max((a for a in levels if a <= accumulation), default=levels[0])
+        row = sorted((b, v) for b, a, v in self.points if a == level)
+        if micro_batch <= row[0][0]:
+            return row[0][1]
+        for (b0, v0), (b1, v1) in zip(row, row[1:]):
+            if micro_batch <= b1:
+                return v0 + (v1 - v0) * (micro_batch - b0) / (b1 - b0)
+        return row[-1][1]  # above the largest measured micro-batch: saturated
+
+    def to_dict(self, **about) -> dict:
+        return {**about, "points": [{"micro_batch": b, "accumulation": a, "tokens_per_s": v}
+                                    for b, a, v in self.points]}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str) -> ThroughputCurve:
+        """A curve file's contents; ValueError names what is wrong."""
+        points = data.get("points") if isinstance(data, dict) else None
+        if not isinstance(points, list) or not points:
+            raise ValueError(f"{source}: expected a mapping with a non-empty list 'points' of "
+                             "{micro_batch, accumulation, tokens_per_s}")
+        out = []
+        for i, p in enumerate(points):
+            try:
+                b, a, v = int(p["micro_batch"]), int(p.get("accumulation", 1)), float(p["tokens_per_s"])
+            except (TypeError, KeyError, ValueError):
+                raise ValueError(f"{source}: points[{i}] needs integer micro_batch (and accumulation) and a number "
+                                 "tokens_per_s") from None
+            if b < 1 or a < 1 or not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{source}: points[{i}]: micro_batch and accumulation must be >= 1 and tokens_per_s "
+                                 f"a positive number (got {b}, {a}, {v})")
+            out.append((b, a, v))
+        if not any(a == 1 for _, a, _ in out):
+            raise ValueError(f"{source}: no point has accumulation 1")
+        if len({(b, a) for b, a, _ in out}) != len(out):
+            raise ValueError(f"{source}: a (micro_batch, accumulation) pair appears twice")
+        return cls(tuple(sorted(out)), source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ThroughputCurve:
+        path = Path(path).expanduser()
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read the curve file {path} ({exc.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path} is not a JSON curve file") from None
+        return cls.from_dict(data, str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SyncCost:
+    """What a trainer's nodes send per round (sizes per node, in bytes)."""
+
+    sync_bytes: int = 0  # outer_compression: each node's encoded payload, all-gathered (0: fp32 all-reduce of P)
+    fragment_bytes: tuple[int, ...] = ()  # Streaming DiLoCo: each fragment's payload (one collective each)
+    overlap_steps: int = 0  # sync_delay: inner steps a fragment's collective overlaps
+    inner_steps: int = 1
+    statistics_bytes: int = 0  # the batch test's statistics (both reductions; 0: none travel)
+
+    def seconds(self, net: Network, num_nodes: int, weight_bytes: int, compute: float) -> float:
+        """What the collectives add after the slowest node's `compute` seconds."""
+        if num_nodes <= 1:
+            return 0.0
+        gathered = self.sync_bytes > 0
+
+        def collective(nbytes: int) -> float:
+            return net.allgather(num_nodes, nbytes) if gathered else net.allreduce(num_nodes, nbytes)
+
+        if self.fragment_bytes:
+            hidden = self.overlap_steps * compute / self.inner_steps
+            total = sum(max(0.0, collective(b) - hidden) for b in self.fragment_bytes)
+        else:
+            total = collective(self.sync_bytes or weight_bytes)
+        if self.statistics_bytes:
+            scalars = 8 * NodeGradientSums.SCALARS  # the second reduction, once the trainer's mean is known
+            total += net.allreduce(num_nodes, self.statistics_bytes - scalars) + net.allreduce(num_nodes, scalars)
+        return total
+
+
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleEvent:
+    """node leaves at outer step `leave` and is back from `back` (0: never), or runs `slowdown` times slower
+    in outer steps [start, end) (end 0: to the run's end)."""
+
+    node: int
+    leave: int = 0
+    back: int = 0
+    slowdown: float = 1.0
+    start: int = 0
+    end: int = 0
+
+    def covers(self, step: int, first: int, last: int) -> bool:
+        return step >= first and (last == 0 or step < last)
+
+
+class NodeSchedule:
+    """config node_schedule: [{node: 3, leave: 4, return: 8}, {node: 1, slowdown: 4, from: 2, until: 6}]."""
+
+    KEYS = {"node", "leave", "return", "slowdown", "from", "until"}
+
+    def __init__(self, events: list[ScheduleEvent] = ()) -> None:
+        self.events = list(events)
+
+    @classmethod
+    def parse(cls, raw: list, total_nodes: int) -> NodeSchedule:
+        """ValueError names the item and what is wrong with it."""
+        events = []
+        for i, item in enumerate(raw or []):
+            where = f"node_schedule[{i}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{where}: expected a mapping such as {{node: 3, leave: 4, return: 8}}")
+            unknown = set(item) - cls.KEYS
+            if unknown:
+                raise ValueError(f"{where}: unknown key {sorted(unknown)[0]!r}; use node, leave, return, slowdown, "
+                                 "from, until")
+            ints = {}
+            for key in ("node", "leave", "return", "from", "until"):
+                value = item.get(key, 0)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+                ints[key] = value
+            node = ints["node"]
+            if "node" not in item or node >= total_nodes:
+                raise ValueError(f"{where}: node {item.get('node')!r} does not exist (node ids run from 0 to "
+                                 f"{total_nodes - 1})")
+            if "leave" in item:
+                if "slowdown" in item or "from" in item or "until" in item:
+                    raise ValueError(f"{where}: one event per item: leave/return or slowdown/from/until")
+                if ints["leave"] < 1 or (ints["return"] and ints["return"] <= ints["leave"]):
+                    raise ValueError(f"{where}: leave must be an outer step >= 1 and return a later one")
+                events.append(ScheduleEvent(node, leave=ints["leave"], back=ints["return"]))
+            elif "slowdown" in item:
+                factor = item["slowdown"]
+                if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0 \
+                        or not math.isfinite(factor):
+                    raise ValueError(f"{where}: slowdown must be a positive number (4 = four times slower)")
+                if "return" in item or (ints["until"] and ints["until"] <= ints["from"]):
+                    raise ValueError(f"{where}: a slowdown runs from an outer step until a later one")
+                events.append(ScheduleEvent(node, slowdown=float(factor), start=ints["from"], end=ints["until"]))
+            else:
+                raise ValueError(f"{where}: give leave (and return) or slowdown (and from, until)")
+        return cls(events)
+
+    def present(self, step: int, total_nodes: int) -> list[int]:
+        """The nodes that take part in outer step `step`."""
+        away = {e.node for e in self.events if e.leave and e.covers(step, e.leave, e.back)}
+        return [n for n in range(total_nodes) if n not in away]
+
+    def slowdown(self, step: int) -> dict[int, float]:
+        """node -> how many times slower it runs in outer step `step` (nodes at full speed left out)."""
+        out: dict[int, float] = {}
+        for e in self.events:
+            if e.slowdown != 1.0 and e.covers(step, e.start, e.end):
+                out[e.node] = out.get(e.node, 1.0) * e.slowdown
+        return out
+
+    def changes(self, step: int) -> list[str]:
+        """What starts or ends at outer step `step`, in words (for the log)."""
+        out = []
+        for e in self.events:
+            if e.leave and step == e.leave:
+                out.append(f"node {e.node} leaves" + (f" until outer step {e.back}" if e.back else ""))
+            elif e.leave and step == e.back:
+                out.append(f"node {e.node} returns")
+            elif not e.leave and step == max(e.start, 1):
+                until = f" until outer step {e.end}" if e.end else ""
+                out.append(f"node {e.node} slows down {e.slowdown:g}x{until}")
+            elif not e.leave and e.end and step == e.end:
+                out.append(f"node {e.node} is back to full speed")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class NodeWork:
+    """One node's part of a trainer's round."""
+
+    node_id: int
+    tokens: float
+    micro_batch: int
+    accumulation: int
+    receives_bytes: int = 0  # the trainer's state it must receive before it starts (a node move)
+
+
+@dataclass
+class TrainerWork:
+    trainer_id: int
+    nodes: list[NodeWork]
+    sync: SyncCost = field(default_factory=SyncCost)
+
+
+@dataclass
+class NodeTime:
+    """What one node did in one round, in simulated seconds."""
+
+    node_id: int
+    trainer_id: int
+    start: float  # it begins computing (after receiving a state, if it moved)
+    compute: float
+    idle: float  # present and not computing since its previous round ended
+    end: float  # its trainer's round (collectives included) ended
+
+
+class Clock:
+    def __init__(self, network: Network, curve: ThroughputCurve, speeds: list[float], weight_bytes: int,
+                 lockstep: bool = False) -> None:
+        self.network, self.curve, self.speeds = network, curve, list(speeds)
+        self.weight_bytes, self.lockstep = weight_bytes, lockstep
+        n = len(self.speeds)
+        self.free = [0.0] * n  # when each node's last round ended
+        self.busy = [0.0] * n  # node-seconds computing
+        self.away = [0.0] * n  # node-seconds absent (left the cluster)
+        self.away_since: dict[int, float] = {}  # nodes absent now, since when
+        self.ready: dict[int, float] = {}  # trainer -> when its state is ready (its round or its merge ended)
+        self.round_end = 0.0  # lockstep: when the last round (and its merges) ended everywhere
+        self.tokens = 0.0
+
+    # -- rates ----------------------------------------------------------------------------------------
+    def rate(self, node_id: int, micro_batch: int, accumulation: int, slowdown: float = 1.0) -> float:
+        """Tokens/s of this node at this micro-batch and accumulation."""
+        return self.curve.tokens_per_s(micro_batch, accumulation) * self.speeds[node_id] / slowdown
+
+    # -- the timeline ---------------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        """The latest moment anything finished: the run's length so far."""
+        return max([self.round_end, *self.ready.values()], default=0.0)
+
+    def round(self, trainers: list[TrainerWork], slowdown: dict[int, float] | None = None) -> dict[int, list[NodeTime]]:
+        """One outer step of every trainer in `trainers`; nodes in none of them are away (left the cluster).
+        Returns each trainer's node times; the trainers' ready times move to their rounds' ends."""
+        slowdown = slowdown or {}
+        present = {w.node_id for t in trainers for w in t.nodes}
+        for node in range(len(self.speeds)):
+            if node not in present and node not in self.away_since:
+                self.away_since[node] = self.free[node]
+        base_all = max([self.round_end, *self.ready.values()], default=0.0)
+        if self.lockstep:  # everyone starts together, once every moving node has its state
+            base_all += max((self.network.message(w.receives_bytes) for t in trainers for w in t.nodes
+                             if w.receives_bytes), default=0.0)
+        out: dict[int, list[NodeTime]] = {}
+        for t in sorted(trainers, key=lambda t: t.trainer_id):
+            if not t.nodes:
+                continue
+            base = base_all if self.lockstep else self.ready.get(t.trainer_id, 0.0)
+            starts, computes, since = {}, {}, {}
+            for w in t.nodes:
+                node = w.node_id
+                if node in self.away_since:  # back from away: it was not available until its trainer needed it
+                    came = max(base, self.away_since.pop(node))
+                    self.away[node] += came - self.free[node]
+                    self.free[node] = came
+                since[node] = self.free[node]
+                start = base if self.lockstep else max(base, self.free[node])
+                if w.receives_bytes and not self.lockstep:
+                    start += self.network.message(w.receives_bytes)
+                starts[node] = start
+                computes[node] = w.tokens / self.rate(node, w.micro_batch, w.accumulation, slowdown.get(node, 1.0))
+            slowest = max(computes.values())
+            end = max(starts[n] + computes[n] for n in starts) + t.sync.seconds(self.network, len(t.nodes),
+                                                                               self.weight_bytes, slowest)
+            out[t.trainer_id] = []
+            for w in t.nodes:
+                node = w.node_id
+                self.busy[node] += computes[node]
+                self.free[node] = end
+                out[t.trainer_id].append(NodeTime(node, t.trainer_id, starts[node], computes[node],
+                                                  end - since[node] - computes[node], end))
+            self.ready[t.trainer_id] = end
+            self.tokens += sum(w.tokens for w in t.nodes)
+        self.round_end = max([self.round_end, *(self.ready[t] for t in out)])
+        return out
+
+    def merge(self, survivor: int, members: list[int], absorbed_bytes: list[int]) -> float:
+        """The absorbed trainers' states travel, one after another, to the survivor once every member's round
+        has ended (lockstep: once every trainer's has). Returns when the survivor is ready."""
+        waits = [self.ready.get(m, 0.0) for m in members]  # the survivor first: merges into it go one after another
+        base = max([self.round_end, waits[0]]) if self.lockstep else max(waits)
+        ready = base + sum(self.network.message(b) for b in absorbed_bytes)
+        for m in members:
+            self.ready.pop(m, None)
+        self.ready[survivor] = ready
+        return ready
+
+    # -- what it adds up to ---------------------------------------------------------------------------
+    def available(self, until: float | None = None) -> float:
+        """Node-seconds the present nodes were available from 0 to `until` (default: now)."""
+        until = self.now if until is None else until
+        return sum(until - self.away[n] - (until - self.away_since[n] if n in self.away_since else 0.0)
+                   for n in range(len(self.speeds)))
+
+    def utilisation(self) -> float:
+        available = self.available()
+        return sum(self.busy) / available if available > 0 else 0.0
+
+    def goodput(self) -> float:
+        """Tokens per simulated second so far."""
+        return self.tokens / self.now if self.now > 0 else 0.0
+
+    def idle(self) -> float:
+        """Node-seconds present and not computing, up to now."""
+        return self.available() - sum(self.busy)
+
+    def state_dict(self) -> dict:
+        return {"free": list(self.free), "busy": list(self.busy), "away": list(self.away),
+                "away_since": {str(k): v for k, v in self.away_since.items()},
+                "ready": {str(k): v for k, v in self.ready.items()}, "round_end": self.round_end,
+                "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.free, self.busy, self.away = list(state["free"]), list(state["busy"]), list(state["away"])
+        self.away_since = {int(k): v for k, v in state["away_since"].items()}
+        self.ready = {int(k): v for k, v in state["ready"].items()}
+        self.round_end, self.tokens = state["round_end"], state["tokens"]
