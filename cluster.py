@@ -29,6 +29,8 @@ from tqdm import tqdm
 
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test, statistics_payload_bytes
+from algorithms.clock import Clock, NodeSchedule, NodeWork, SyncCost, ThroughputCurve, TrainerWork
+from algorithms.network import describe, parse_network
 from algorithms.outer_sync import OuterSync
 from algorithms.policies import build_merge_policy
 from algorithms.sketch import CountSketch, sketch_coefficients
@@ -59,6 +61,7 @@ from utils.errors import ConfigError, RunStopped, TrainingFault, UserError
 from utils.max_batch_calculator import find_max_batch_size
 from utils.model_state import float_state, load_float_state
 from utils.signals import StopSignals
+from utils.throughput import cached_curve, device_kind, measure_curve
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,9 @@ class RoundBackend:
 
     def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu",
                  sync: OuterSync | None = None, statistics_wire: torch.dtype = torch.float64,
-                 streaming: StreamingPlan | None = None) -> None:
+                 streaming: StreamingPlan | None = None, by_tokens: bool = False) -> None:
         self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
+        self.by_tokens = by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens
         self.sync, self.statistics_wire = sync or OuterSync(), statistics_wire
         self.streaming = streaming  # sync_fragments / sync_delay: the fragments and their schedule
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
@@ -101,7 +105,7 @@ class RoundBackend:
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}
         return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
-                       self.statistics_wire, self.sync, masters), faults
+                       self.statistics_wire, self.sync, masters, by_tokens=self.by_tokens), faults
 
     def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
         """A Streaming DiLoCo round: every node runs to each send or landing of the schedule; a send takes each
@@ -196,8 +200,8 @@ def use_threads(cfg: Config) -> bool:
     if cfg.compile:  # torch.compile is not thread-safe
         return False
     # Threads pay off when nodes sit on distinct accelerators; on CPU cores they only contend.
-    cuda = [d for d in cfg.devices if d.startswith("cuda")]
-    return len(set(cuda)) > 1 and len(cuda) == len(cfg.devices)
+    cuda = [d for d in cfg.device_names if d.startswith("cuda")]
+    return len(set(cuda)) > 1 and len(cuda) == len(cfg.device_names)
 
 
 def master_device_of(cfg: Config, node_devices: list[str]) -> str:
@@ -258,7 +262,8 @@ class ClusterController:
         self.nodes: list[Node] = []
         local = None if dist_env is None else dist_env.rank
         probed: dict[int, int] = {}
-        for configured in cfg.devices:
+        for spec in cfg.device_specs:
+            configured = spec.device
             for _ in range(cfg.nodes_per_gpu):
                 node_id = len(self.nodes)
                 mine = local is None or node_id == local
@@ -279,9 +284,9 @@ class ClusterController:
                         probed[key] = find_max_batch_size(model, make_optimizer, device, cfg.seq_len,
                                                           padding_percentage=cfg.padding_percentage,
                                                           nodes_per_gpu=cfg.nodes_per_gpu,
-                                                          device_memory_mb=cfg.device_memory_mb,
+                                                          device_memory_mb=spec.memory_mb or cfg.device_memory_mb,
                                                           upper=min(cfg.max_requested_batch, len(data.train)),
-                                                          num_cpu_devices=cfg.devices.count("cpu"))
+                                                          num_cpu_devices=cfg.device_names.count("cpu"))
                     max_batch = probed[key]
                 replica = replicate(model, device) if mine else None  # other processes hold the other nodes
                 node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, self.precision,
@@ -309,7 +314,7 @@ class ClusterController:
         self.owner: dict[int, int | None] = {n.node_id: None for n in self.nodes}
         # (trainer, weights version) each node holds; None = the common initial weights
         self.holds: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
-        eval_device = cfg.devices[0] if local is None else self.nodes[local].device
+        eval_device = cfg.device_names[0] if local is None else self.nodes[local].device
         self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device,
                                    self.precision)
         # communication (README "Communication"): how the outer sync, merges and the batch statistics travel
@@ -351,7 +356,7 @@ class ClusterController:
         self.continues: dict[int, tuple[int, int] | None] = {n.node_id: None for n in self.nodes}
         if local is None:
             self.backend = RoundBackend(self.nodes, use_threads(cfg), self.pool_within_nodes, self.master_device,
-                                        self.outer_sync, self.statistics_wire, self.streaming)
+                                        self.outer_sync, self.statistics_wire, self.streaming, cfg.inner_steps_by_speed)
         else:
             from distributed import torchrun
             from distributed.backend import DistributedBackend
@@ -361,7 +366,7 @@ class ClusterController:
             self.backend = DistributedBackend(self.nodes, local, sorted(floats), shapes, self.sample_numel,
                                               self.pool_within_nodes, torchrun.comm_device(cfg, dist_env),
                                               torchrun.store(), self.master_device, self.statistics_wire,
-                                              self.outer_sync, self.streaming)
+                                              self.outer_sync, self.streaming, cfg.inner_steps_by_speed)
         self.param_bytes = sum(v.numel() * 4 for v in initial.values())  # fp32 weights / pseudo-gradients
         # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
         self.sync_bytes = self.outer_sync.payload_bytes(self.param_bytes // 4)
@@ -372,6 +377,15 @@ class ClusterController:
         self.statistics_bytes = statistics_payload_bytes(self.sample_numel, self.pool_within_nodes,
                                                          self.statistics_wire)
         self.traffic = Traffic()  # rounds, syncs and bytes as a real cluster would send them
+        # the simulated clock (README "A simulated clock"): it observes the rounds, never changes their numbers
+        self.schedule = NodeSchedule.parse(cfg.node_schedule, len(self.nodes))
+        self.clock = Clock(parse_network(cfg.network), self._throughput_curve(model, make_optimizer, resume_state),
+                           cfg.node_speeds, self.param_bytes)
+        log.info("clock: network %s; throughput %s; node speeds %s", describe(self.clock.network),
+                 self.clock.curve.source, " ".join(f"{v:g}" for v in cfg.node_speeds))
+        self.round_work: dict[int, list[NodeWork]] = {}  # this round's work per trainer, for the clock
+        self.round_inner_steps: dict[int, int] = {}
+        self.time_to_target: float | None = None  # target_metric: when a trainer first reached it
         self.tokens_total = 0
         self.last_outer_step = 0
         self.best_seen: float | None = None  # best metric of any model evaluated during the run
@@ -398,7 +412,7 @@ class ClusterController:
                 "optimizers": [n.optimizer_state() for n in self.nodes],
                 "residuals": [None if n.residual is None else n.residual.detach().to("cpu", copy=True)
                               for n in self.nodes],
-                "rng": rng_state(cuda=any(d.startswith("cuda") for d in self.cfg.devices)),
+                "rng": rng_state(cuda=any(d.startswith("cuda") for d in self.cfg.device_names)),
                 **(self._streaming_state() if self.streaming is not None else {})}
 
     def _streaming_state(self) -> dict:
@@ -446,6 +460,8 @@ class ClusterController:
                 "best_seen": self.best_seen, "initial_metric": self.initial_metric,
                 "nodes": [{"max_batch": n.max_batch} for n in self.nodes], "logger": self.logger.counters(),
                 "sketch": self.sketch.state_dict() if self.sketch is not None else None,
+                "clock": {**self.clock.state_dict(), "curve": [list(p) for p in self.clock.curve.points],
+                          "curve_source": self.clock.curve.source, "time_to_target": self.time_to_target},
                 "wall_time": self.wall_before + time.time() - self._start}
 
     def load_state_dict(self, state: dict) -> None:
@@ -456,6 +472,9 @@ class ClusterController:
         self.best_seen, self.initial_metric = state["best_seen"], state["initial_metric"]
         self.logger.load_counters(state["logger"])
         self.wall_before = float(state["wall_time"])
+        if state.get("clock"):  # checkpoints from before the clock start it at their outer step
+            self.clock.load_state_dict(state["clock"])
+            self.time_to_target = state["clock"]["time_to_target"]
 
     def save(self, label: str | None = None, final_id: int | None = None) -> Path:
         """A checkpoint of the state after outer step last_outer_step."""
@@ -472,6 +491,90 @@ class ClusterController:
                 log.debug("keep_checkpoints: removed %s", old)
         self.checkpointed_step = self.last_outer_step
         return path
+
+    # -------------------------------------------------------------------------------------------
+    # The simulated clock
+
+    def _throughput_curve(self, model: torch.nn.Module, make_optimizer, resume_state: dict | None) -> ThroughputCurve:
+        """config throughput: flat, measured (cached) or a file; a resumed run keeps its own curve."""
+        cfg = self.cfg
+        saved = (resume_state or {}).get("clock")
+        if saved:
+            return ThroughputCurve(tuple((int(b), int(a), float(v)) for b, a, v in saved["curve"]),
+                                   saved["curve_source"])
+        if cfg.throughput == "flat":
+            return ThroughputCurve.flat(cfg.node_tokens_per_s)
+        largest = max(n.max_batch for n in self.nodes)
+        if cfg.throughput != "measured":
+            curve = ThroughputCurve.load(cfg.throughput)
+            if curve.largest_micro_batch < largest:
+                worst = max(self.nodes, key=lambda n: n.max_batch)
+                raise ConfigError("throughput", f"{cfg.throughput} covers micro-batches up to "
+                                  f"{curve.largest_micro_batch} (accumulation 1), but node {worst.node_id}'s max batch "
+                                  f"is {largest}: measure the curve up to it (benchmarks.system --curve)")
+            return curve
+        curve = None
+        node = self.nodes[0 if self.dist_env is None else self.dist_env.rank]
+        if self.dist_env is None or self.dist_env.is_main:  # one measurement, shared: every rank decides alike
+            key = {"device": device_kind(node.device), "model": cfg.model_config.name, "seq_len": cfg.seq_len,
+                   "precision": cfg.precision, "largest": largest, "algorithm": cfg.distributed_algo}
+            curve, path = cached_curve(Path(cfg.cache_dir), key, lambda: measure_curve(
+                model, make_optimizer, node.device, cfg.seq_len, largest, autocast=lambda: self.precision.autocast(
+                    node.device)))
+            log.info("throughput: measured curve %s: %s", path, ", ".join(
+                f"{b}x{a}: {v:.0f}" for b, a, v in curve.points if a == 1))
+        if self.dist_env is not None:
+            import torch.distributed as dist
+
+            box = [curve]
+            dist.broadcast_object_list(box, src=0)
+            curve = box[0]
+        return curve
+
+    def _inner_steps(self, node_ids: list[int], shapes: dict[int, tuple[int, int]],
+                     slowdown: dict[int, float]) -> dict[int, int]:
+        """num_inner_steps for every node, or (inner_steps_by_speed) in proportion to its throughput this round,
+        the trainer's fastest node taking num_inner_steps."""
+        steps = self.cfg.num_inner_steps
+        if not self.cfg.inner_steps_by_speed:
+            return {n: steps for n in node_ids}
+        rates = {n: self.clock.rate(n, *shapes[n], slowdown.get(n, 1.0)) for n in node_ids}
+        fastest = max(rates.values())
+        return {n: max(1, round(steps * rates[n] / fastest)) for n in node_ids}
+
+    def _sync_cost(self, result: RoundResult | None) -> SyncCost:
+        """What a trainer's collectives carried this round, for the clock."""
+        return SyncCost(0 if self.outer_sync.exact else self.sync_bytes,
+                        tuple(self.fragment_bytes) if self.streaming is not None else (), self.cfg.sync_delay,
+                        self.cfg.num_inner_steps,
+                        self.statistics_bytes if result is not None and result.statistics is not None else 0)
+
+    def _clock_round(self, outer_step: int, trainer_ids: list[int], results: dict[int, RoundResult]) -> dict:
+        """The round on the clock: each trainer's (end, slowest compute, idle node-seconds); node rows logged."""
+        slowdown = self.schedule.slowdown(outer_step)
+        times = self.clock.round([TrainerWork(t, self.round_work[t], self._sync_cost(results.get(t)))
+                                  for t in trainer_ids], slowdown)
+        speeds = self.cfg.node_speeds
+        steps = {w.node_id: w for t in trainer_ids for w in self.round_work[t]}
+        self.logger.log_node_times([
+            {"outer_step": outer_step, "node_id": n.node_id, "trainer_id": t, "speed": speeds[n.node_id],
+             "slowdown": slowdown.get(n.node_id, 1.0), "inner_steps": self.round_inner_steps[n.node_id],
+             "micro_batch": steps[n.node_id].micro_batch, "accumulation_steps": steps[n.node_id].accumulation,
+             "tokens": int(steps[n.node_id].tokens), "start_s": n.start, "compute_s": n.compute, "idle_s": n.idle,
+             "end_s": n.end} for t in sorted(times) for n in times[t]])
+        return {t: {"sim_time_s": self.clock.ready[t], "sim_compute_s": max(n.compute for n in times[t]),
+                    "sim_idle_s": sum(n.idle for n in times[t])} for t in times}
+
+    def _reached(self, value: float, when: float) -> None:
+        """target_metric: the first simulated time a model reached it."""
+        target, cfg = self.cfg.target_metric, self.cfg
+        if not cfg.target_metric or self.time_to_target is not None or not math.isfinite(value):
+            return
+        if (value >= target) if self.evaluator.higher_is_better else (value <= target):
+            self.time_to_target = when
+
+    def _clock_row(self) -> dict:
+        return {"utilisation": self.clock.utilisation(), "goodput_tokens_per_s": self.clock.goodput()}
 
     # -------------------------------------------------------------------------------------------
     def _holder(self, trainer_id: int) -> int:
@@ -491,28 +594,44 @@ class ClusterController:
 
     # -------------------------------------------------------------------------------------------
     def _jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
-        """This round's node jobs, and the moves (trainer, from node, to node) that must come first."""
-        cfg = self.cfg
+        """This round's node jobs, and the moves (trainer, from node, to node) that must come first. Nodes away
+        this round (node_schedule) get no job; one that comes back joins as a new node would."""
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
-        assignment = assign_nodes(node_counts(requested, len(self.nodes)), self.owner)
+        present = self.schedule.present(outer_step, len(self.nodes))
+        for node_id in sorted(set(self.owner) - set(present)):
+            self.owner[node_id] = None  # its inner optimizer state is stale when it comes back
+            self.continues[node_id] = None
+        for change in self.schedule.changes(outer_step):
+            log.info("outer step %d: %s", outer_step, change)
+        assignment = assign_nodes(node_counts(requested, len(present)), {n: self.owner[n] for n in present})
+        slowdown = self.schedule.slowdown(outer_step)
         jobs, moves = [], []
+        self.round_work, self.round_inner_steps = {}, {}
         sources = {t: self._holder(t) for t in assignment}  # before this round changes holds
         for t in sorted(assignment):
             trainer = self.trainers[t]
             version = (t, trainer.weights_version)
+            shapes = {n: self.switch_mode.decide(trainer.requested_batch, self.nodes[n].max_batch)
+                      for n in assignment[t]}
+            inner_steps = self._inner_steps(assignment[t], shapes, slowdown)
             for node_id in assignment[t]:
-                if self.holds[node_id] not in (None, version):
+                moved = self.holds[node_id] not in (None, version)
+                if moved:
                     self.traffic.node_move(trainer.transfer_bytes())  # the node receives this trainer's state
                     moves.append((t, sources[t], node_id))
                 self.holds[node_id] = version
-                node = self.nodes[node_id]
-                loader_batch, accumulation = self.switch_mode.decide(trainer.requested_batch, node.max_batch)
-                n = cfg.num_inner_steps * accumulation * loader_batch
-                indices = trainer.sampler.take(n).view(cfg.num_inner_steps, accumulation, loader_batch)
+                loader_batch, accumulation = shapes[node_id]
+                steps = inner_steps[node_id]
+                indices = trainer.sampler.take(steps * accumulation * loader_batch).view(steps, accumulation,
+                                                                                         loader_batch)
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
                                     reset_optimizer=self.owner[node_id] != t,
                                     inject_fault=self.injected.get((outer_step, node_id), ""),
                                     keep_local=self.streaming is not None and self.continues[node_id] == version))
+                tokens = float(self.data.train.tokens_per_sequence[indices.reshape(-1)].sum())
+                self.round_work.setdefault(t, []).append(NodeWork(node_id, tokens, loader_batch, accumulation,
+                                                                  trainer.transfer_bytes() if moved else 0))
+                self.round_inner_steps[node_id] = steps
         for t, node_ids in assignment.items():
             for node_id in node_ids:
                 self.owner[node_id] = t
@@ -578,6 +697,7 @@ class ClusterController:
             fault = TrainingFault(f"fault at outer step {outer_step}, {detail}")
             fault.state_is_good = False
             raise fault
+        clock = self._clock_round(outer_step, trainer_ids, results)
         if self.streaming is not None:  # the good nodes' own weights go on next round, if their trainer stays the same
             for f in faults:
                 self.continues[f.node_id] = None
@@ -597,7 +717,7 @@ class ClusterController:
                              "accumulation_steps": accumulation, "optimizer_steps": trainer.stats.optimizer_steps,
                              "tokens_seen": trainer.stats.tokens_seen, "global_tokens": self.tokens_total,
                              "train_loss": math.nan, **evaluation.metrics,
-                             "next_requested_batch": trainer.requested_batch})
+                             "next_requested_batch": trainer.requested_batch, **clock[t]})
                 continue
             res = results[t]
             requested_before = trainer.requested_batch
@@ -606,6 +726,7 @@ class ClusterController:
             if res.statistics is not None:
                 self.traffic.statistics(len(res.nodes), self.statistics_bytes)
             self._seen(evaluation.value)
+            self._reached(evaluation.value, clock[t]["sim_time_s"])
             decision = self.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),
                                        tokens_seen=self.tokens_total)
             trainer.requested_batch = decision.requested_batch
@@ -620,7 +741,7 @@ class ClusterController:
                 "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
                 "tokens_seen": s.tokens_seen, "global_tokens": self.tokens_total, "train_loss": res.train_loss,
                 **evaluation.metrics,
-                "next_requested_batch": decision.requested_batch, **decision.stats})
+                "next_requested_batch": decision.requested_batch, **decision.stats, **clock[t]})
         return rows
     def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
         """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
@@ -641,9 +762,12 @@ class ClusterController:
             survivor.stats.tokens_seen += other.stats.tokens_seen
             survivor.stats.optimizer_steps += other.stats.optimizer_steps
         self.traffic.merge(moved)
+        ready = self.clock.merge(plan.survivor, list(plan.members),
+                                 [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others])
         self.holds[coordinator] = (plan.survivor, survivor.weights_version)  # the others receive it when they start
         after = self._evaluate([plan.survivor])[plan.survivor].value  # does averaging hurt? measured, not assumed
         self._seen(after)
+        self._reached(after, ready)
         return {"outer_step": outer_step, "survivor": plan.survivor,
                 "merged": " ".join(map(str, plan.members[1:])),
                 "weights": " ".join(f"{w:.4f}" for w in plan.weights),
@@ -651,7 +775,7 @@ class ClusterController:
                 "metric": self.evaluator.metric,
                 "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
                 "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
-                "metric_after": after}
+                "metric_after": after, "sim_time_s": ready}
 
     # -------------------------------------------------------------------------------------------
     def _stopped(self) -> RunStopped:
@@ -704,7 +828,7 @@ class ClusterController:
                     self.logger.memory.record("after_merge", outer_step)
                 wall = self.wall_before + time.time() - self._start
                 for row in rows:  # counters at the end of the outer step, its merge included
-                    row.update(self.traffic.row(), wall_time=wall)
+                    row.update(self.traffic.row(), wall_time=wall, **self._clock_row())
                 self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
                 log.info(self._step_line(outer_step, rows, merge_event))
                 best = self.best_seen if self.best_seen is not None else math.nan
@@ -761,6 +885,12 @@ class ClusterController:
             # decisions where max_requested_batch, not the batch test, set the batch; the largest the test asked
             "capped_requests": self.logger.capped_requests,
             "largest_capped_request": self.logger.largest_capped_request,
+            # the simulated clock (README "A simulated clock")
+            "sim_time_s": self.clock.now, "sim_time_to_target_s": self.time_to_target,
+            "target_metric": self.cfg.target_metric or None, **self._clock_row(),
+            "busy_node_seconds": sum(self.clock.busy), "idle_node_seconds": self.clock.idle(),
+            "clock": {"network": describe(self.clock.network), "throughput": self.clock.curve.source,
+                      "node_speeds": self.cfg.node_speeds},
         }
         if self.streaming is not None:  # each node's payload per fragment (benchmarks/network.py prices them)
             summary["fragment_bytes"] = self.fragment_bytes

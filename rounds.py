@@ -179,29 +179,38 @@ def sum_wires(wires: list[torch.Tensor], device: torch.device | str) -> torch.Te
     return total
 
 
+def token_shares(tokens: list[float]) -> list[float]:
+    """Each node's weight in its trainer's mean under inner_steps_by_speed: its share of the tokens."""
+    total = sum(tokens)
+    return [t / total if total else 1 / len(tokens) for t in tokens]
+
+
 def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: torch.dtype = torch.float64,
             sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None,
-            streamed: bool = False) -> dict[int, RoundResult]:
+            streamed: bool = False, by_tokens: bool = False) -> dict[int, RoundResult]:
     """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
     order (compressed: master minus the mean of the decoded pseudo-gradients, `masters` giving each trainer's);
     and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype).
-    streamed: the fragments' outer steps already ran during the round; no mean is taken."""
+    streamed: the fragments' outer steps already ran during the round; no mean is taken.
+    by_tokens (inner_steps_by_speed): each node weighs in by its share of the trainer's tokens."""
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
     combined = {}
     for trainer_id, group in by_trainer.items():
+        shares = token_shares([r.tokens for r in group]) if by_tokens else None
         if streamed:
             mean = None
         elif sync is not None and not sync.exact:
-            mean = sync.node_mean(masters[trainer_id], [r.payload for r in group])
+            mean = sync.node_mean(masters[trainer_id], [r.payload for r in group], shares)
         else:
             mean = {}
             for name in group[0].state:
                 acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32, device=device)
-                for r in group:
-                    acc += r.state[name].detach().to(device, torch.float32)
-                mean[name] = acc / len(group)
+                for i, r in enumerate(group):
+                    value = r.state[name].detach().to(device, torch.float32)
+                    acc += value if shares is None else value * shares[i]
+                mean[name] = acc / len(group) if shares is None else acc
         combined[trainer_id] = RoundResult(
             node_mean=mean, nodes=[r.node_id for r in group],
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),

@@ -103,7 +103,7 @@ def resolve_cpu_kernels(cfg: Config) -> Config:
 def check_devices(cfg: Config) -> None:
     import torch
 
-    for device in cfg.devices:
+    for device in cfg.device_names:
         if not device.startswith("cuda"):
             continue
         if not torch.cuda.is_available():
@@ -247,7 +247,7 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
             tracker = TrackerGroup([])
         stop.install()  # again: ClearML's Task.init installs handlers of its own that swallow SIGTERM
         classification = data.val.labels is not None
-        memory = MemoryMonitor(out_dir / "memory_report", cfg.devices, tracker, cfg.memory_sample_interval_s,
+        memory = MemoryMonitor(out_dir / "memory_report", cfg.device_names, tracker, cfg.memory_sample_interval_s,
                                resume_step if writes else None)
         logger = TrainingLogger(out_dir / "model_training_report", tracker, memory,
                                 "val_accuracy" if classification else "val_perplexity", classification,

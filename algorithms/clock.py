@@ -330,7 +330,7 @@ class Clock:
                 self.busy[node] += computes[node]
                 self.free[node] = end
                 out[t.trainer_id].append(NodeTime(node, t.trainer_id, starts[node], computes[node],
-                                                  end - since[node] - computes[node], end))
+                                                  max(0.0, end - since[node] - computes[node]), end))
             self.ready[t.trainer_id] = end
             self.tokens += sum(w.tokens for w in t.nodes)
         self.round_end = max([self.round_end, *(self.ready[t] for t in out)])

@@ -62,15 +62,19 @@ class OuterSync:
         return payload, delta - self.compressor.decode(payload, delta.numel())
 
     @torch.no_grad()
-    def node_mean(self, master: dict[str, torch.Tensor], payloads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """master - the mean of the decoded pseudo-gradients (fp32, on the master's device, in the given order)."""
+    def node_mean(self, master: dict[str, torch.Tensor], payloads: list[torch.Tensor],
+                  shares: list[float] | None = None) -> dict[str, torch.Tensor]:
+        """master - the mean of the decoded pseudo-gradients (fp32, on the master's device, in the given order);
+        shares: a weighted mean instead (inner_steps_by_speed: each node's share of the tokens)."""
         names = sorted(master)
         device = next(iter(master.values())).device
         numel = sum(master[n].numel() for n in names)
         total = torch.zeros(numel, dtype=torch.float32, device=device)
-        for payload in payloads:
-            total += self.compressor.decode(payload.to(device), numel)
-        return unflatten(flatten(master, names, device) - total / len(payloads), master, names)
+        for i, payload in enumerate(payloads):
+            decoded = self.compressor.decode(payload.to(device), numel)
+            total += decoded if shares is None else decoded * shares[i]
+        mean = total / len(payloads) if shares is None else total
+        return unflatten(flatten(master, names, device) - mean, master, names)
 
     @torch.no_grad()
     def round_trip(self, tensors: list[torch.Tensor]) -> torch.Tensor:

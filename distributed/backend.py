@@ -51,6 +51,7 @@ from rounds import (
     fragment_fault,
     run_node,
     send_fragment,
+    token_shares,
 )
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
@@ -61,8 +62,10 @@ class DistributedBackend:
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
                  grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
                  master_device: str = "cpu", statistics_wire: torch.dtype = torch.float64,
-                 sync: OuterSync | None = None, streaming: StreamingPlan | None = None) -> None:
+                 sync: OuterSync | None = None, streaming: StreamingPlan | None = None,
+                 by_tokens: bool = False) -> None:
         self.nodes, self.rank = nodes, rank
+        self.by_tokens = by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens
         self.world_size = dist.get_world_size()
         self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
         self.numel = sum(shapes[n].numel() for n in names)
@@ -171,12 +174,14 @@ class DistributedBackend:
             raise self._failed(exc) from None
 
     def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
-        job = next(j for j in jobs if j.node_id == self.rank)
         trainer_ids = sorted({j.trainer_id for j in jobs})
         members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainer_ids}
         for t in trainer_ids:  # new groups are made collectively, in the same order everywhere
             if len(members[t]) > 1:
                 self._group(members[t])
+        job = next((j for j in jobs if j.node_id == self.rank), None)
+        if job is None:  # node_schedule: this rank's node is away; it idles, taking part in world collectives only
+            return self._away(trainer_ids)
         abandoned, outcome, outer_error = False, None, ""
         if self.streaming is not None:
             outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers)
@@ -202,14 +207,19 @@ class DistributedBackend:
             pass  # the fragments' outer steps ran during the round
         elif good_facts[mine] and self.sync.exact:
             weights = self._flat(outcome.state if good else None)
+            if self.by_tokens:  # each node's share of the tokens, known to all from the facts
+                shares = token_shares([f["tokens"] for f in good_facts[mine]])
+                ids = [f["node_id"] for f in good_facts[mine]]
+                weights *= shares[ids.index(self.rank)] if good else 0.0
             if len(members[mine]) > 1:
                 weights = self._all_reduce(weights, members[mine], "weights")
-            node_mean = self._unflat(weights.to(self.master_device) / len(good_facts[mine]))
+            node_mean = self._unflat(weights.to(self.master_device) / (1 if self.by_tokens else len(good_facts[mine])))
         elif good_facts[mine]:  # compressed: every member decodes every good node's payload
             payload = outcome.payload if good else torch.zeros(self.sync.payload_bytes(self.numel), dtype=torch.uint8)
             parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
+            shares = token_shares([f["tokens"] for f in good_facts[mine]]) if self.by_tokens else None
             node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(f["node_id"])]
-                                                         for f in good_facts[mine]])
+                                                         for f in good_facts[mine]], shares)
         if good_facts[mine]:
             if any(f["has_samples"] for f in good_facts[mine]):
                 statistics = self._statistics(outcome if good else None, members[mine])
@@ -221,17 +231,38 @@ class DistributedBackend:
             shared_statistics = {t: s for part in shared for t, s in part.items()}
         results = {}
         for t in trainer_ids:
-            group = good_facts[t]
-            if not group:
-                continue
-            results[t] = RoundResult(
-                node_mean=node_mean if t == mine else None, nodes=[f["node_id"] for f in group],
-                train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
-                tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
-                node_step_losses={f["node_id"]: f["losses"] for f in group},
-                learning_rate=group[0]["lr"], statistics=shared_statistics.get(t),
-                outer_error=outer_error if t == mine else "")
+            if good_facts[t]:
+                results[t] = self._result(t, good_facts[t], node_mean if t == mine else None,
+                                          shared_statistics.get(t), outer_error if t == mine else "")
         return results, faults
+
+    def _away(self, trainer_ids: list[int]):
+        """A round without this rank's node: its facts say so, and it joins the world collectives the others make."""
+        fact = {"node_id": self.rank, "trainer_id": None, "abandoned": False, "fault": None, "losses": None,
+                "tokens": 0, "lr": 0.0, "has_samples": False}
+        facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
+        if any(f["abandoned"] for f in facts):
+            raise RoundAbandoned("a stop was requested")
+        faults = [NodeFault(**f["fault"]) for f in facts if f["fault"] is not None]
+        shared_statistics = {}
+        if any(f["has_samples"] for f in facts):
+            shared_statistics = {t: s for part in self._gather({}) for t, s in part.items()}
+        results = {}
+        for t in trainer_ids:
+            group = [f for f in facts if f["trainer_id"] == t and f["losses"] is not None]
+            if group:
+                results[t] = self._result(t, group, None, shared_statistics.get(t), "")
+        return results, faults
+
+    @staticmethod
+    def _result(t: int, group: list[dict], node_mean, statistics, outer_error: str) -> RoundResult:
+        """A trainer's RoundResult from its good nodes' facts (the same on every rank)."""
+        return RoundResult(
+            node_mean=node_mean, nodes=[f["node_id"] for f in group],
+            train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
+            tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
+            node_step_losses={f["node_id"]: f["losses"] for f in group},
+            learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error)
 
     def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer]):
         """This rank's node through a Streaming DiLoCo round (algorithms/streaming.py): at each send its fragment

@@ -51,7 +51,7 @@ def check(cfg: Config, env: DistEnv) -> None:
 def device_of(cfg: Config, env: DistEnv) -> str:
     """Rank r runs node r on its configured device; a CUDA node uses the GPU of its local rank (modulo the
     GPUs this machine has: more processes than GPUs share them, e.g. 2 processes on one GPU)."""
-    device = cfg.devices[env.rank // cfg.nodes_per_gpu]
+    device = cfg.device_names[env.rank // cfg.nodes_per_gpu]
     if not device.startswith("cuda"):
         return "cpu"
     import torch

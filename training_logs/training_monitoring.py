@@ -1,5 +1,6 @@
 """Everything a run records: training_log.csv (one row per trainer per outer step), merge_events.csv,
-step_loss_log.csv, fault_events.csv, the memory monitor, the trackers and the plots. CSV writes go
+step_loss_log.csv, fault_events.csv, node_clock.csv (the simulated clock, one row per node per outer step),
+the memory monitor, the trackers and the plots. CSV writes go
 through locks, so concurrent callers never interleave.
 
 On a resume (resume_step = the checkpoint's outer step) every file keeps its rows up to that step and
@@ -28,14 +29,17 @@ COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", 
            "test_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
            "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "rounds", "syncs", "bytes_communicated",
            "allreduce_bytes", "merge_bytes", "node_move_bytes", "node_moves", "statistics_bytes", "wall_time",
-           "trainers_alive"]
+           "trainers_alive", "sim_time_s", "sim_compute_s", "sim_idle_s", "utilisation", "goodput_tokens_per_s"]
 # metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
 MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes", "metric",
-                 "metric_before", "metric_weighted_before", "metric_after"]
+                 "metric_before", "metric_weighted_before", "metric_after", "sim_time_s"]
+# the simulated clock's view of each node's round (algorithms/clock.py): seconds from the run's start
+NODE_COLUMNS = ["outer_step", "node_id", "trainer_id", "speed", "slowdown", "inner_steps", "micro_batch",
+                "accumulation_steps", "tokens", "start_s", "compute_s", "idle_s", "end_s"]
 FAULT_COLUMNS = ["outer_step", "trainer_id", "node_id", "kind", "action", "message"]
 TRAFFIC = tuple(Traffic().row())  # the traffic counters (algorithms/traffic.py), all in COLUMNS
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
-           "accumulation_steps", "num_nodes", "tokens_seen")
+           "accumulation_steps", "num_nodes", "tokens_seen", "sim_time_s", "sim_idle_s")
 
 
 def _ranges(steps: list[int]) -> str:
@@ -57,6 +61,7 @@ class TrainingLogger:
         self.csv_path = report_dir / "training_log.csv"
         self.merge_path = report_dir / "merge_events.csv"
         self.fault_path = report_dir / "fault_events.csv"
+        self.node_path = report_dir / "node_clock.csv"
         self._lock = threading.Lock()
         for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
             problem = start_csv(path, columns, resume_step)
@@ -70,6 +75,7 @@ class TrainingLogger:
                             "disagree with summary.json, which counts the whole run", path, problem, resume_step)
         # a fault that stopped the run is why it was resumed: its record stays
         start_csv(self.fault_path, FAULT_COLUMNS, resume_step, lambda row: row[FAULT_COLUMNS.index("action")] == "stop")
+        start_csv(self.node_path, NODE_COLUMNS, resume_step)
         self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv", resume_step)
         self.merges = 0
         self.batch_increases = 0
@@ -95,6 +101,14 @@ class TrainingLogger:
             self._append(self.fault_path, FAULT_COLUMNS, rows)
             self.faults += len(rows)
         self.tracker.log({"global/node_faults": float(self.faults)}, rows[0]["outer_step"])
+
+    def log_node_times(self, rows: list[dict]) -> None:
+        """The clock's view of each node's round: node_clock.csv and node_<id>/compute_s, idle_s."""
+        with self._lock:
+            self._append(self.node_path, NODE_COLUMNS, rows)
+        if rows:
+            self.tracker.log({f"node_{r['node_id']}/{k}": float(r[k]) for r in rows for k in ("compute_s", "idle_s")},
+                             rows[0]["outer_step"])
 
     def _append(self, path: Path, columns: list[str], rows: list[dict]) -> None:
         with path.open("a", newline="") as f:
@@ -156,6 +170,8 @@ class TrainingLogger:
             "global/tokens_seen": float(rows[-1]["global_tokens"]),
             **{f"global/{k}": float(rows[-1].get(k, 0)) for k in TRAFFIC},
             "global/merges": float(self.merges),
+            **{f"clock/{k}": float(rows[-1][k]) for k in ("utilisation", "goodput_tokens_per_s") if k in rows[-1]},
+            "clock/sim_time_s": max(float(r.get("sim_time_s", 0.0)) for r in rows),
         })
         self.tracker.log(scalars, step)
 
@@ -171,7 +187,8 @@ class TrainingLogger:
 
     def finish(self, summary: dict) -> None:
         """Final artifacts: the CSV files and the summary."""
-        for path in (self.csv_path, self.merge_path, self.fault_path, self.step_losses.path, self.memory.csv_path):
+        for path in (self.csv_path, self.merge_path, self.fault_path, self.node_path, self.step_losses.path,
+                     self.memory.csv_path):
             self.tracker.log_artifact(path.name, path)
         self.tracker.log_artifact("summary", summary)
 

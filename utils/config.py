@@ -53,6 +53,15 @@ class ModelConfig:
 
 
 @dataclass
+class DeviceSpec:
+    device: str = _f("cpu", "cpu, cuda or cuda:N.")
+    speed: float = _f(1.0, "How fast this device's nodes compute, relative to the throughput curve (0.25 = four "
+                      "times slower); only the simulated clock reads it (and inner_steps_by_speed).")
+    memory_mb: float = _f(0.0, "Memory of this simulated device for the max-batch probe, in MiB (0 = "
+                          "device_memory_mb; on CUDA the real free memory).", min=0.0)
+
+
+@dataclass
 class Config:
     # --- run and logs ---
     project_name: str = _f("Multi instance training", "Project name for experiment trackers.")
@@ -62,8 +71,9 @@ class Config:
     log_file: str = _f("training_log.log", "Name of the text log inside the run directory.")
     run_name: str = _f("", "Run directory name; empty = <model>_<dataset>_<YYYY_MM_DD_HH_MM_SS>.")
     # --- cluster ---
-    devices: list[str] = _f(["cpu", "cpu"], "Simulated devices, each hosting nodes_per_gpu nodes "
-                            "(cpu, cuda, cuda:0, cuda:1, ...).")
+    devices: list[str | DeviceSpec] = _f(["cpu", "cpu"], "Simulated devices, each hosting nodes_per_gpu nodes: "
+                                         "cpu, cuda, cuda:0, ..., or {device: cpu, speed: 0.25, memory_mb: 80} "
+                                         "(README \"A simulated clock\").")
     nodes_per_gpu: int = _f(2, "Nodes (training streams) per simulated device.", min=1)
     node_execution: str = _f("auto", "How the nodes of a round run: threads (concurrent, as in the paper), "
                              "sequential, or auto (threads only when nodes sit on distinct CUDA devices). "
@@ -197,6 +207,23 @@ class Config:
     fragment_alpha: float = _f(1.0, "Streaming DiLoCo: when a fragment lands, each node's fragment becomes alpha x "
                                "global + (1 - alpha) x its own, in (0, 1]; 1 takes the global one (the paper "
                                "mixes 0.5 with a delay).")
+    # --- the simulated clock (README "A simulated clock") ---
+    network: str = _f("datacentre", "The simulated cluster's network: a preset (datacentre, cross-region, consumer) "
+                      "or 'BANDWIDTH,LATENCY' per node link (e.g. '1Gbit/s,50ms'). Only the clock reads it.")
+    throughput: str = _f("flat", "Tokens/s of a speed-1 node against its micro-batch and accumulation: flat "
+                         "(node_tokens_per_s at every batch), measured (measured once on the first device by "
+                         "benchmarks.system's curve and cached in cache_dir), or a curve file "
+                         "(python -m benchmarks.system --curve writes one).")
+    node_tokens_per_s: float = _f(10000.0, "throughput flat: tokens/s of a speed-1 node.", min=1e-9)
+    node_schedule: list[dict] = _f([], "Nodes that leave and come back or slow down: a list of {node: 3, leave: 4, "
+                                   "return: 8} (away in outer steps 4 to 7) and {node: 1, slowdown: 4, from: 2, "
+                                   "until: 6} (4x slower in outer steps 2 to 5); return / until 0 or absent: to the "
+                                   "end.")
+    inner_steps_by_speed: bool = _f(False, "Each node takes num_inner_steps x its throughput / its trainer's fastest "
+                                    "node's inner steps (at least 1), so a trainer's nodes finish together (DyLU of "
+                                    "Async Local-SGD); the trainer averages its nodes weighted by their tokens.")
+    target_metric: float = _f(0.0, "summary.json's sim_time_to_target_s: the simulated time at which a trainer "
+                              "first reached this metric value (0 = none).", min=0.0)
     # --- evaluation and outputs ---
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
@@ -240,20 +267,25 @@ class Config:
             raise ConfigError("inner_betas", f"expected two numbers in [0, 1), got {self.inner_betas}")
         if not self.devices:
             raise ConfigError("devices", "at least one device is needed")
-        for device in self.devices:
+        for i, spec in enumerate(self.device_specs):
+            device = spec.device
             if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-                raise ConfigError("devices", f"'{device}' is not cpu, cuda or cuda:N")
-        if self.precision == "tf32" and not any(d.startswith("cuda") for d in self.devices):
+                raise ConfigError(f"devices[{i}]" if self.devices[i] is spec else "devices",
+                                  f"'{device}' is not cpu, cuda or cuda:N")
+            if not spec.speed > 0:
+                raise ConfigError(f"devices[{i}].speed", f"{spec.speed} must be > 0 (1 = the throughput curve's pace)")
+        if self.precision == "tf32" and not any(d.startswith("cuda") for d in self.device_names):
             raise ConfigError("precision", "tf32 is a CUDA matmul mode; on CPU use fp32 (or bf16)")
-        if self.dist_backend == "nccl" and not any(d.startswith("cuda") for d in self.devices):
+        if self.dist_backend == "nccl" and not any(d.startswith("cuda") for d in self.device_names):
             raise ConfigError("dist_backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
         if self.compile and self.node_execution == "threads":
             raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
                               "(or torchrun, one node per process)")
-        total_nodes = len(self.devices) * self.nodes_per_gpu
+        total_nodes = self.total_nodes
         if self.num_init_trainers > total_nodes:
             raise ConfigError("num_init_trainers", f"{self.num_init_trainers} trainers need at least as many "
                               f"nodes, but devices x nodes_per_gpu = {total_nodes}")
+        self._check_clock()
         if self.initial_batch_size > self.max_requested_batch:
             raise ConfigError("initial_batch_size", "is larger than max_requested_batch")
         self._check_batches_can_grow()
@@ -277,6 +309,50 @@ class Config:
         unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
         if unknown or not self.embedded_sources:
             raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
+
+    def _check_clock(self) -> None:
+        """The cluster description (network, throughput, node_schedule, inner_steps_by_speed), before any work."""
+        from algorithms.clock import NodeSchedule, ThroughputCurve
+        from algorithms.network import parse_network
+
+        try:
+            parse_network(self.network)
+        except ValueError as exc:
+            raise ConfigError("network", str(exc)) from None
+        if self.throughput not in ("flat", "measured"):
+            try:
+                ThroughputCurve.load(self.throughput)
+            except ValueError as exc:
+                raise ConfigError("throughput", f"{exc} (or use flat / measured)") from None
+        try:
+            schedule = NodeSchedule.parse(self.node_schedule, self.total_nodes)
+        except ValueError as exc:
+            raise ConfigError("node_schedule", str(exc)) from None
+        trainers = self.num_init_trainers
+        for step in range(1, self.num_outer_steps + 1):
+            present = len(schedule.present(step, self.total_nodes))
+            if present < trainers:
+                raise ConfigError("node_schedule", f"leaves {present} nodes at outer step {step} for {trainers} "
+                                  "trainers: each trainer needs a node")
+            if self.merge_frequency and trainers > 1 and step % self.merge_frequency == 0:
+                trainers -= 1
+        if self.inner_steps_by_speed and (self.sync_fragments > 1 or self.sync_delay > 0):
+            raise ConfigError("inner_steps_by_speed", "cannot be combined with Streaming DiLoCo (sync_fragments, "
+                              "sync_delay): its fragments are scheduled at fixed inner steps")
+
+    @property
+    def device_specs(self) -> list[DeviceSpec]:
+        """Each device as a DeviceSpec (a plain string is a speed-1 device)."""
+        return [d if isinstance(d, DeviceSpec) else DeviceSpec(device=d) for d in self.devices]
+
+    @property
+    def device_names(self) -> list[str]:
+        return [spec.device for spec in self.device_specs]
+
+    @property
+    def node_speeds(self) -> list[float]:
+        """Each node's speed: its device's."""
+        return [spec.speed for spec in self.device_specs for _ in range(self.nodes_per_gpu)]
 
     def _check_paths(self) -> None:
         """run_name and log_file are plain names inside their directories: no separators, no escapes."""
@@ -385,13 +461,14 @@ MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffix
 # Keys that decide numbers but came after the first checkpoint format: at their defaults they do what the
 # versions before them did, so they leave the config hash (and so --resume of older runs) unchanged.
 ADDED_LATER = frozenset({"statistics_comm", "statistics_sketch_dim", "outer_compression", "topk_fraction",
-                         "error_feedback", "merge_compression", "sync_fragments", "sync_delay", "fragment_alpha"})
+                         "error_feedback", "merge_compression", "sync_fragments", "sync_delay", "fragment_alpha",
+                         "network", "throughput", "node_tokens_per_s", "node_schedule", "inner_steps_by_speed"})
 
 RESUME_MAY_CHANGE = frozenset({
     "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
     "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
     "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
-    "dist_timeout_s", "keep_checkpoints", "cpu_capability", "cpu_threads", "dist_backend",
+    "dist_timeout_s", "keep_checkpoints", "cpu_capability", "cpu_threads", "dist_backend", "target_metric",
 })
 
 
@@ -418,7 +495,11 @@ def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
             return None
-        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        mapping = next((a for a in options if dataclasses.is_dataclass(a)), None)
+        if mapping is not None and isinstance(value, dict):  # e.g. a device given as {device: cpu, speed: 0.5}
+            return build_dataclass(mapping, value, prefix=f"{key}.")
+        tp = options[0]
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, f"expected true or false, got {value!r}")
