@@ -229,6 +229,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+STALE = (-1, -1)  # holds: a node away from the cluster keeps no current state (it receives one when it returns)
+
+
 class ClusterController:
     """The simulated cluster and the outer loop.
 
@@ -598,7 +601,8 @@ class ClusterController:
         this round (node_schedule) get no job; one that comes back joins as a new node would."""
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         present = self.schedule.present(outer_step, len(self.nodes))
-        for node_id in sorted(set(self.owner) - set(present)):
+        away = sorted(set(self.owner) - set(present))
+        for node_id in away:
             self.owner[node_id] = None  # its inner optimizer state is stale when it comes back
             self.continues[node_id] = None
         for change in self.schedule.changes(outer_step):
@@ -608,6 +612,8 @@ class ClusterController:
         jobs, moves = [], []
         self.round_work, self.round_inner_steps = {}, {}
         sources = {t: self._holder(t) for t in assignment}  # before this round changes holds
+        for node_id in away:  # it may hand its state on now; its copy goes stale as its trainer trains on
+            self.holds[node_id] = STALE
         for t in sorted(assignment):
             trainer = self.trainers[t]
             version = (t, trainer.weights_version)

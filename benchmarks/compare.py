@@ -24,6 +24,16 @@ default: what the AdLoCo config uses in num_outer_steps, measured by a first AdL
   adloco_int8, adloco_fp8, adloco_topk    outer_compression int8 / fp8 / topk (2%)
   adloco_int8_sketch  both
   diloco_int8, diloco_topk                diloco_bB (B the middle --diloco_batches) compressed
+  heterogeneous clusters (with --cluster FILE, included in all):
+  diloco_by_speed     diloco_bB with inner_steps_by_speed (each node's inner steps in proportion to its
+                      throughput, the mean weighted by tokens: DyLU of Async Local-SGD)
+  adloco_by_speed     adloco with inner_steps_by_speed
+
+--cluster FILE: a YAML mapping of the cluster keys (devices with speed / memory_mb, nodes_per_gpu, network,
+throughput, node_tokens_per_s, node_schedule) applied to every run, whose own simulated clock (README "A
+simulated clock") then times it: the report gains time to target, utilisation and idle time under that
+clock. --throughput_curve FILE prices the finished runs' rounds with a throughput curve instead of a flat
+tokens/s (the network model's tables).
 
 Warm start (two phases): `--pretrain_config CFG` trains one shared start with run.py (phase 1, into
 <out>/pretrain, reused when finished); `--init_from RUN_DIR` uses an existing run's final model. Phase 2
@@ -50,12 +60,14 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import yaml
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from algorithms.clock import ThroughputCurve  # noqa: E402
 from benchmarks import network  # noqa: E402
 from benchmarks.tables import cell  # noqa: E402
 from benchmarks.theory import communication_bound  # noqa: E402
@@ -88,6 +100,8 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
     diloco = chosen.get(f"diloco_b{reference_batch}") or [*single, "sampling_method=constant", real_batch]
     for name, scheme in COMMUNICATION_VARIANTS.items():
         chosen[name] = [*(diloco if name.startswith("diloco") else []), *scheme]
+    for name, scheme in CLUSTER_VARIANTS.items():
+        chosen[name] = [*(diloco if name.startswith("diloco") else []), *scheme]
     return chosen
 
 
@@ -108,6 +122,24 @@ COMMUNICATION_VARIANTS = {
     "adloco_streaming_int8": [*STREAMING, "outer_compression=int8"],
     "diloco_streaming": STREAMING,
 }
+# heterogeneous clusters (issue 23): the field's speed-aware baseline, DyLU (Async Local-SGD), and AdLoCo with it
+CLUSTER_VARIANTS = {"diloco_by_speed": ["inner_steps_by_speed=true"], "adloco_by_speed": ["inner_steps_by_speed=true"]}
+CLUSTER_KEYS = ("devices", "nodes_per_gpu", "network", "throughput", "node_tokens_per_s", "node_schedule",
+                "device_memory_mb")
+
+
+def cluster_overrides(path: str) -> list[str]:
+    """--cluster FILE as run.py overrides; a one-line error for what is not a cluster description."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: --cluster: cannot read {path} ({exc})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise SystemExit(f"error: --cluster: {path} must hold a mapping of cluster keys ({', '.join(CLUSTER_KEYS)})")
+    unknown = sorted(set(raw) - set(CLUSTER_KEYS))
+    if unknown:
+        raise SystemExit(f"error: --cluster: {path}: '{unknown[0]}' is not a cluster key ({', '.join(CLUSTER_KEYS)})")
+    return [f"{k}={json.dumps(v)}" for k, v in raw.items()]
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -137,9 +169,14 @@ def read_run(run_dir: Path) -> dict:
                 alive.pop(merged, None)
             alive[m["survivor"]] = float(m["metric_after"])
         last = rs[-1]
+        # the run's own simulated clock: when this step's last trainer (or its merge) finished
+        sim = [float(r["sim_time_s"]) for r in rs if r.get("sim_time_s")]
+        if step in merge_at and merge_at[step].get("sim_time_s"):
+            sim.append(float(merge_at[step]["sim_time_s"]))
         curve.append({"step": step, "metric": pick(alive.values()), "tokens": int(last["global_tokens"] or 0),
                       "rounds": int(last["rounds"] or 0), "syncs": int(last["syncs"] or 0),
-                      "bytes": int(last["bytes_communicated"] or 0), "wall": float(last["wall_time"] or 0)})
+                      "bytes": int(last["bytes_communicated"] or 0), "wall": float(last["wall_time"] or 0),
+                      "sim_time": max(sim, default=0.0)})
     trained = [r for r in rows if r["outer_step"] != "0"]
     ran = ran_shapes(trained)
     return {"run_dir": run_dir, "curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
@@ -392,8 +429,7 @@ def network_report(results: dict[str, list[dict]], metric: str, args, out: Path)
                _plot_crossover(crossover, list(results), target, metric, predicted["crossover_latency"], out)]
     lines = ["## Predicted wall time on a network (benchmarks/network.py)", "",
              "A cost model, not a measurement: each run's logged rounds (tokens per node, nodes per trainer, merges, "
-             f"node moves) priced at {predicted['throughput']:.4g} tokens/s per node "
-             f"({'given' if args.node_throughput else 'measured: all runs, tokens / wall time'}) plus, per "
+             f"node moves) priced at {_throughput_words(predicted['throughput'], args)} plus, per "
              "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes, all-gather of "
              "compressed payloads"
              f"{'' if args.no_statistics else ', the batch test statistics included'}). Nodes compute in parallel, "
@@ -420,6 +456,53 @@ def network_report(results: dict[str, list[dict]], metric: str, args, out: Path)
     return lines
 
 
+def _throughput_words(throughput, args) -> str:
+    if isinstance(throughput, ThroughputCurve):
+        return (f"the throughput curve {args.throughput_curve} ({throughput.source}; each trainer's micro-batch and "
+                "accumulation as it ran them)")
+    how = "given" if args.node_throughput else "measured: all runs, tokens / wall time"
+    return f"{throughput:.4g} tokens/s per node ({how})"
+
+
+def clock_report(results: dict[str, list[dict]], metric: str, args) -> list[str]:
+    """--cluster: each run timed by its own simulated clock (sim_time_s), utilisation and idle time."""
+    higher = metric == "val_accuracy"
+    runs = [r for rs in results.values() for r in rs]
+    pick = min if higher else max
+    target = args.time_target or pick((max if higher else min)(p["metric"] for p in r["curve"]) for r in runs)
+    rows = []
+    for name, rs in results.items():
+        reach = [first_reaching(r["curve"], target, "sim_time", higher) for r in rs]
+        got = [v for v in reach if v is not None]
+        s = [r["summary"] for r in rs]
+        rows.append({"variant": name, "sim_time_to_target_s": statistics.mean(got) if len(got) == len(reach)
+                     else f"{len(got)}/{len(reach)}", "sim_time_s": statistics.mean(x["sim_time_s"] for x in s),
+                     "utilisation": statistics.mean(x["utilisation"] for x in s),
+                     "idle_node_seconds": statistics.mean(x["idle_node_seconds"] for x in s),
+                     "busy_node_seconds": statistics.mean(x["busy_node_seconds"] for x in s),
+                     "goodput_tokens_per_s": statistics.mean(x["goodput_tokens_per_s"] for x in s),
+                     "final_mean": statistics.mean(x["final_metric"] for x in s)})
+    reached = [r["sim_time_to_target_s"] for r in rows if isinstance(r["sim_time_to_target_s"], float)]
+    for r in rows:
+        r["vs_fastest"] = r["sim_time_to_target_s"] / min(reached) if r["sim_time_to_target_s"] in reached else None
+    clock = runs[0]["summary"].get("clock", {})
+    how = "given" if args.time_target else "the loosest value every run reached"
+    with (Path(args.report_out or args.out) / "clock.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return ["## The simulated cluster's clock (--cluster)", "",
+            f"Cluster `{args.cluster}`: network {clock.get('network')}, throughput {clock.get('throughput')}, node "
+            f"speeds {clock.get('node_speeds')}. Each run timed live by its own clock (README \"A simulated clock\": "
+            "each node computes its tokens at the curve's pace for its micro-batch x its speed, a trainer's round "
+            "ends with its slowest node and its collectives, trainers advance independently between merges, a merge "
+            f"waits for its members). Target {metric}: {target:.4g} ({how}). utilisation: busy node-seconds / "
+            "available node-seconds; idle: present and "
+            "not computing (stragglers, collectives, merges, a finished trainer waiting); means over seeds.", "",
+            *_table(rows, ["variant", "sim_time_to_target_s", "vs_fastest", "final_mean", "sim_time_s", "utilisation",
+                           "idle_node_seconds", "busy_node_seconds", "goodput_tokens_per_s"]), ""]
+
+
 def predict_on_networks(results: dict[str, list[dict]], metric: str, args) -> dict:
     """Every run's curve against predicted time, per --network and over a grid of bandwidths: the rows of
     network.csv (time to target, metric at a time budget, network share) and of crossover.csv."""
@@ -429,7 +512,8 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args) -> di
     for r in runs:
         r["rounds_work"], r["weight_bytes"], _ = network.read_rounds(r["run_dir"], statistics=not args.no_statistics)
     measured = sum(r["curve"][-1]["tokens"] for r in runs) / max(sum(r["curve"][-1]["wall"] for r in runs), 1e-9)
-    throughput = args.node_throughput or measured
+    throughput = ThroughputCurve.load(args.throughput_curve) if args.throughput_curve else \
+        args.node_throughput or measured
 
     def timed(net: network.Network) -> dict[str, list[list[dict]]]:
         curves = {}
@@ -627,6 +711,8 @@ def write_outputs(report: dict, results: dict, args, out: Path) -> str:
               "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
               "benchmarks/theory.py.", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plot(results, metric, out)]
+    if args.cluster:
+        lines += ["", *clock_report(results, metric, args)]
     lines += ["", *network_report(results, metric, args, out)]
     text = "\n".join(lines) + "\n"
     (out / "comparison.md").write_text(text)
@@ -668,6 +754,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time_budget", type=float, default=0.0,
                    help="seconds of predicted time; 0 = the shortest predicted run, per network")
     p.add_argument("--crossover_latency", default="10ms", help="latency of the crossover over bandwidths")
+    p.add_argument("--cluster", default="", help="a cluster description (YAML: devices with speed, nodes_per_gpu, "
+                   "network, throughput, node_schedule, ...) applied to every run; adds the by_speed variants and the "
+                   "clock's report")
+    p.add_argument("--throughput_curve", default="", help="network model: a throughput curve file (benchmarks.system "
+                   "--curve) instead of a flat tokens/s")
     p.add_argument("--no_statistics", action="store_true",
                    help="network model: leave out the batch test's statistics (the weights traffic only)")
     p.add_argument("overrides", nargs="*", help="run.py key=value overrides applied to every variant, after "
@@ -694,12 +785,20 @@ def main(argv: list[str] | None = None) -> int:
 def _compare(args) -> int:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    if args.cluster:  # every run on the described cluster, before the command line's own overrides
+        args.overrides = [*cluster_overrides(args.cluster), *args.overrides]
+    if args.throughput_curve:
+        try:
+            ThroughputCurve.load(args.throughput_curve)
+        except ValueError as exc:
+            raise SystemExit(f"error: --throughput_curve: {exc}") from None
     base = load_config(args.config, args.overrides)
     extra = warm_start(args, out)
     args.warm_from = _shown(Path(extra[0].split("=", 1)[1])) if extra else ""
     chosen = variants(base, [int(b) for b in args.diloco_batches.split(",") if b], args.localsgd_lr)
     if args.variants == "all":  # the original comparison; the communication variants when asked for
-        chosen = {k: v for k, v in chosen.items() if k not in COMMUNICATION_VARIANTS}
+        chosen = {k: v for k, v in chosen.items() if k not in COMMUNICATION_VARIANTS
+                  and (args.cluster or k not in CLUSTER_VARIANTS)}
     elif args.variants == "communication":
         middle = f"diloco_b{args.diloco_batches.split(',')[len(args.diloco_batches.split(',')) // 2]}"
         chosen = {k: v for k, v in chosen.items() if k in ("adloco", middle, *COMMUNICATION_VARIANTS)}

@@ -14,6 +14,13 @@
 (d) achieved training FLOP/s of (a) against the device's matmul peak measured in the variant's dtype
     (and, on a known GPU, its datasheet peak): the model FLOP utilisation.
 Each prints a table; --markdown FILE appends them (with date and machine) to FILE.
+
+    python -m benchmarks.system --curve FILE [--device cuda] [--preset microllama-mini] [--variants bf16]
+                                [--curve-max-batch N] [--seq-len 256]
+
+measures instead the throughput curve the simulated clock reads (config `throughput: FILE`; README "A
+simulated clock"): tokens/s of one node for micro-batches 1, 2, 4, ... up to the largest that fits (the
+memory probe, or --curve-max-batch), each with accumulation 1, 2 and 4, in the first variant's precision.
 """
 
 from __future__ import annotations
@@ -210,6 +217,31 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
                    "params": p_bytes // 4, "nodes": nodes}
 
 
+def write_curve(args, cfg, model, device: str, variant: str) -> int:
+    """--curve: the throughput curve of `model` on `device`, written where the clock reads it."""
+    from trainers import TRAINERS
+    from utils.max_batch_calculator import find_max_batch_size
+    from utils.throughput import device_kind, measure_curve
+
+    name, _ = parse_variant(variant)
+    precision = build_precision(name)
+    make_optimizer = TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg)
+    largest = args.curve_max_batch or find_max_batch_size(
+        model, make_optimizer, device, cfg.seq_len, padding_percentage=cfg.padding_percentage, nodes_per_gpu=1,
+        device_memory_mb=cfg.device_memory_mb, upper=cfg.max_requested_batch)
+    curve = measure_curve(model, make_optimizer, device, cfg.seq_len, largest, repeats=args.repeats,
+                          autocast=lambda: precision.autocast(device))
+    about = {"device": device_kind(device), "model": args.preset, "seq_len": cfg.seq_len, "precision": name,
+             "torch": torch.__version__, "measured": f"{datetime.now():%Y-%m-%d %H:%M}",
+             "source": f"benchmarks.system --curve on {device_kind(device)}"}
+    Path(args.curve).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.curve).write_text(json.dumps(curve.to_dict(**about), indent=1))
+    print(table(f"Throughput curve: {args.preset} on {about['device']}, seq_len {cfg.seq_len}, {name} -> {args.curve}",
+                ["micro_batch", "accumulation", "tokens/s", "vs micro-batch 1"],
+                [[b, a, v, v / curve.tokens_per_s(1, a)] for b, a, v in curve.points]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "config.yaml"))
@@ -224,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--markdown", help="append the tables to this file")
     ap.add_argument("--json", help="write the numbers to this file (as benchmarks.gpu_check reads them)")
+    ap.add_argument("--curve", help="measure the throughput curve only and write it to this file")
+    ap.add_argument("--curve-max-batch", type=int, default=0,
+                    help="--curve: the largest micro-batch (default: the memory probe's, one node per device)")
     args = ap.parse_args(argv)
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -240,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, base)
     data = load_corpus(cfg)
     model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
+    if args.curve:
+        return write_curve(args, cfg, model, device, variants[0])
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else \
         f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs, {torch.get_num_threads()} threads"
     out = [f"## System benchmarks ({datetime.now():%Y-%m-%d %H:%M}, {where}, "

@@ -106,7 +106,7 @@ def csv_rows(run_dir, name):
 
 def assert_same_decisions(expected_dir, got_dir):
     """Decisions identical (nodes, batches, merges); every number within 1e-4 relative."""
-    for name in ("training_log.csv", "merge_events.csv", "step_loss_log.csv"):
+    for name in ("training_log.csv", "merge_events.csv", "step_loss_log.csv", "node_clock.csv"):
         expected, got = csv_rows(expected_dir, name), csv_rows(got_dir, name)
         assert len(expected) == len(got), name
         for e, g in zip(expected, got):

@@ -36,7 +36,7 @@ RESUMABLE = [*TINY, "max_batch_size=2", "initial_batch_size=3", "ETA=0.3", "max_
              "num_init_trainers=4", "devices=[cpu,cpu]", "outer_momentum=0.9", "outer_nesterov=true",
              "merge_frequency=2", "save_weights_every=2"]
 STEPS = 6
-LOGS = ("training_log.csv", "merge_events.csv", "step_loss_log.csv", "fault_events.csv")
+LOGS = ("training_log.csv", "merge_events.csv", "step_loss_log.csv", "fault_events.csv", "node_clock.csv")
 
 
 def overrides(cache_dir, log_dir, *extra):

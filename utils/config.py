@@ -321,9 +321,13 @@ class Config:
             raise ConfigError("network", str(exc)) from None
         if self.throughput not in ("flat", "measured"):
             try:
-                ThroughputCurve.load(self.throughput)
+                curve = ThroughputCurve.load(self.throughput)
             except ValueError as exc:
                 raise ConfigError("throughput", f"{exc} (or use flat / measured)") from None
+            if self.max_batch_size > curve.largest_micro_batch:  # a probed max batch is checked once probed
+                raise ConfigError("throughput", f"{self.throughput} covers micro-batches up to "
+                                  f"{curve.largest_micro_batch} (accumulation 1), but max_batch_size is "
+                                  f"{self.max_batch_size}: measure the curve up to it (benchmarks.system --curve)")
         try:
             schedule = NodeSchedule.parse(self.node_schedule, self.total_nodes)
         except ValueError as exc:
