@@ -211,6 +211,22 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
         step.ok = code == 0 and numbers.is_file()
         if step.ok:
             step.detail = json.loads(numbers.read_text())
+    elif step.name == "curves":  # the simulated clock's throughput curves (README "A simulated clock")
+        from algorithms.clock import ThroughputCurve
+
+        for preset in ("microllama-mini", "microllama-300m"):
+            path = out / f"curve_{preset}.json"
+            code, text = run(f"curve_{preset}", [python, "-m", "benchmarks.system", "--device", "cuda", "--preset",
+                                                 preset, "--variants", "bf16", "--repeats", "2", "--curve", str(path)],
+                             step.max_s / 2)
+            if code != 0 or not path.is_file():
+                step.ok = False
+                break
+            curve = ThroughputCurve.load(path)
+            largest = curve.largest_micro_batch
+            step.detail[preset] = f"x{curve.tokens_per_s(largest) / curve.tokens_per_s(1):.2f} from 1 to {largest}"
+        else:
+            step.ok = True
     else:  # pragma: no cover - the plan names only the steps above
         raise ValueError(step.name)
     if step.ok is False and not step.error:
@@ -280,7 +296,8 @@ STEPS = [("cuda_tests", "pytest -m cuda (tests/test_cuda.py)", 150), ("run_fp32"
          ("run_threads", "run.py, 4 nodes as threads on one GPU", 60),
          ("torchrun", "torchrun, 2 processes on one GPU, vs the simulated cluster", 120),
          ("torchrun_comm", "the same with int8 + error feedback, sketched statistics, 2 streamed fragments", 120),
-         ("system", "benchmarks.system, microllama-300m seq 512", 240)]
+         ("system", "benchmarks.system, microllama-300m seq 512", 240),
+         ("curves", "throughput curves (benchmarks.system --curve) of microllama-mini and -300m, bf16", 180)]
 
 
 def main(argv: list[str] | None = None) -> int:

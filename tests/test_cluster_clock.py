@@ -3,8 +3,10 @@ exactly after SIGTERM mid-schedule, the same under torchrun; bad cluster descrip
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +162,23 @@ def test_a_measured_curve_is_cached_and_reused(tiny_config, tmp_path):
     path.write_text("{")  # an unreadable cache is measured again, not trusted
     cached_curve(tmp_path, key, measure)
     assert calls == [1, 1]
+
+
+def test_throughput_measured_measures_once_logs_the_curve_and_reuses_the_cache(tiny_config, cache_dir, tmp_path):
+    """throughput: measured runs benchmarks.system's curve code on the node's device before training (micro-batches
+    1, 2, 4 = the max batch, accumulation 1, 2, 4), caches it, and a second run reads the cache."""
+    from utils.throughput import curve_batches
+
+    assert curve_batches(4) == [1, 2, 4] and curve_batches(6) == [1, 2, 4, 6] and curve_batches(1) == [1]
+    cfg = tiny_config("throughput=measured", "num_outer_steps=1")
+    shutil.rmtree(Path(cfg.cache_dir) / "throughput", ignore_errors=True)
+    run_dir, summary = train(cfg)
+    log = (run_dir / "training_log.log").read_text()
+    assert "throughput: measured curve" in log and "4x1:" in log
+    (cached,) = (Path(cfg.cache_dir) / "throughput").glob("*.json")
+    curve = ThroughputCurve.load(cached)
+    assert sorted({(b, a) for b, a, _ in curve.points}) == [(b, a) for b in (1, 2, 4) for a in (1, 2, 4)]
+    assert summary["clock"]["throughput"] == str(cached) and summary["sim_time_s"] > 0
+    stamp = cached.stat().st_mtime_ns
+    train(tiny_config("throughput=measured", "num_outer_steps=1", "run_name=again"))
+    assert cached.stat().st_mtime_ns == stamp  # read, not measured again

@@ -123,6 +123,36 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
     plt.close(fig)
     outputs.append(out_dir / f"{metric}_vs_communication.png")
 
+    # the simulated clock (README "A simulated clock"): each trainer on its own time, and the cluster's utilisation
+    timed = [r for r in rows if r.get("sim_time_s")]
+    if timed:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+        for t, rs in per_trainer.items():
+            rs = [r for r in rs if r.get("sim_time_s")]
+            axes[0].plot([float(r["sim_time_s"]) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3,
+                         lw=1, alpha=0.7, label=f"trainer {t}")
+        merges = [m for m in _read(merge_path) if m.get("sim_time_s")]
+        if merges:
+            axes[0].scatter([float(m["sim_time_s"]) for m in merges], [float(m["metric_after"]) for m in merges],
+                            marker="x", s=60, color="black", zorder=3, label="merged model")
+        if log_y:
+            readable_y(axes[0], values)
+        axes[0].set(xlabel="simulated time (s)", ylabel=label, title=f"Validation {label} on the simulated clock")
+        axes[0].legend(fontsize=7)
+        cluster: dict[int, tuple[float, float]] = {}  # step -> (its last trainer's end, utilisation after it)
+        for r in timed:
+            step = int(r["outer_step"])
+            cluster[step] = (max(cluster.get(step, (0.0, 0.0))[0], float(r["sim_time_s"])), float(r["utilisation"]))
+        axes[1].plot([cluster[k][0] for k in sorted(cluster)], [cluster[k][1] for k in sorted(cluster)], color="black")
+        axes[1].set(xlabel="simulated time (s)", ylabel="busy / available node-seconds", ylim=(0, 1.05),
+                    title="Cluster utilisation so far")
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{metric}_vs_sim_time.png", dpi=120)
+        plt.close(fig)
+        outputs.append(out_dir / f"{metric}_vs_sim_time.png")
+
     # equal batches would hide each other: each trainer's line is shifted a little and has its own marker
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (t, rs) in enumerate(per_trainer.items()):
