@@ -284,12 +284,19 @@ class ClusterController:
                 else:
                     key = node_id // cfg.nodes_per_gpu
                     if key not in probed:
-                        probed[key] = find_max_batch_size(model, make_optimizer, device, cfg.seq_len,
-                                                          padding_percentage=cfg.padding_percentage,
-                                                          nodes_per_gpu=cfg.nodes_per_gpu,
-                                                          device_memory_mb=spec.memory_mb or cfg.device_memory_mb,
-                                                          upper=min(cfg.max_requested_batch, len(data.train)),
-                                                          num_cpu_devices=cfg.device_names.count("cpu"))
+                        try:
+                            probed[key] = find_max_batch_size(
+                                model, make_optimizer, device, cfg.seq_len, padding_percentage=cfg.padding_percentage,
+                                nodes_per_gpu=cfg.nodes_per_gpu,
+                                device_memory_mb=spec.memory_mb or cfg.device_memory_mb,
+                                upper=min(cfg.max_requested_batch, len(data.train)),
+                                num_cpu_devices=cfg.device_names.count("cpu"))
+                        except UserError as exc:
+                            if not spec.memory_mb or device.startswith("cuda"):
+                                raise
+                            raise ConfigError(f"devices[{key}].memory_mb", f"{spec.memory_mb:g} MiB: not even one "
+                                              "sequence fits a node of this device; raise it (or padding_percentage), "
+                                              "or lower nodes_per_gpu or seq_len") from exc
                     max_batch = probed[key]
                 replica = replicate(model, device) if mine else None  # other processes hold the other nodes
                 node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, self.precision,

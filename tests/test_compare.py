@@ -257,3 +257,41 @@ def test_communication_variants_are_named_overrides_left_out_of_all():
     assert set(COMMUNICATION_VARIANTS) <= set(chosen)
     for name in COMMUNICATION_VARIANTS:  # every override is a valid config
         load_config(ROOT / "configs" / "compare_cpu.yaml", chosen[name])
+
+
+def test_harness_on_a_described_cluster_times_every_run_by_its_own_clock(tmp_path, cache_dir):
+    """--cluster: every run on the described cluster (2 nodes, one at a quarter speed); the report's clock table
+    comes from the runs' own sim_time_s; diloco_by_speed gives the slow node fewer inner steps."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("devices: [{device: cpu, speed: 1.0}, {device: cpu, speed: 0.25}]\nnodes_per_gpu: 1\n"
+                       "network: cross-region\n")
+    out = tmp_path / "compare"
+    rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "2000",
+                       "--max_outer_steps", "20", "--diloco_batches", "2", "--out", str(out), "--cluster", str(cluster),
+                       "--variants", "adloco,diloco_b2,diloco_by_speed",
+                       *[o for o in SMALL if not o.startswith(("devices", "nodes_per_gpu"))], f"cache_dir={cache_dir}",
+                       "merge_frequency=1", "num_init_trainers=2", "max_batch_size=2", "--network", "consumer"])
+    assert rc == 0
+    clock = {r["variant"]: r for r in read_csv(out / "clock.csv")}
+    assert set(clock) == {"adloco", "diloco_b2", "diloco_by_speed"}
+    for name, row in clock.items():
+        summary = json.loads((out / "runs" / f"{name}_seed0" / "summary.json").read_text())
+        assert summary["clock"]["node_speeds"] == [1.0, 0.25]
+        assert float(row["sim_time_s"]) == pytest.approx(summary["sim_time_s"], rel=1e-6)
+        assert 0 < float(row["utilisation"]) < 1
+    nodes = read_csv(out / "runs" / "diloco_by_speed_seed0" / "model_training_report" / "node_clock.csv")
+    assert {r["inner_steps"] for r in nodes if r["node_id"] == "0"} == {"3"}
+    assert {r["inner_steps"] for r in nodes if r["node_id"] == "1"} == {"1"}  # 3 x 0.25, rounded, at least 1
+    # DyLU's nodes finish (nearly) together: the fast node waits far less for the slow one in each round
+    def straggling(name):
+        rows = read_csv(out / "runs" / f"{name}_seed0" / "model_training_report" / "node_clock.csv")
+        by_step = {}
+        for r in rows:
+            by_step.setdefault(r["outer_step"], []).append(float(r["compute_s"]))
+        return max(max(c) - min(c) for c in by_step.values())
+
+    assert straggling("diloco_by_speed") < 0.5 * straggling("diloco_b2")
+    assert "## The simulated cluster's clock (--cluster)" in (out / "comparison.md").read_text()
+    cluster.write_text("devices: [cpu]\nlr_inner: 0.1\n")
+    with pytest.raises(SystemExit, match="'lr_inner' is not a cluster key"):
+        compare_main(["--config", str(ROOT / "config.yaml"), "--out", str(out), "--cluster", str(cluster)])
