@@ -565,20 +565,20 @@ class ClusterController:
         times = self.clock.round([TrainerWork(t, self.round_work[t], self._sync_cost(results.get(t)))
                                   for t in trainer_ids], slowdown)
         speeds = self.cfg.node_speeds
-        steps = {w.node_id: w for t in trainer_ids for w in self.round_work[t]}
+        work = {w.node_id: w for t in trainer_ids for w in self.round_work[t]}
         self.logger.log_node_times([
             {"outer_step": outer_step, "node_id": n.node_id, "trainer_id": t, "speed": speeds[n.node_id],
              "slowdown": slowdown.get(n.node_id, 1.0), "inner_steps": self.round_inner_steps[n.node_id],
-             "micro_batch": steps[n.node_id].micro_batch, "accumulation_steps": steps[n.node_id].accumulation,
-             "tokens": int(steps[n.node_id].tokens), "start_s": n.start, "compute_s": n.compute, "idle_s": n.idle,
+             "micro_batch": work[n.node_id].micro_batch, "accumulation_steps": work[n.node_id].accumulation,
+             "tokens": int(work[n.node_id].tokens), "start_s": n.start, "compute_s": n.compute, "idle_s": n.idle,
              "end_s": n.end} for t in sorted(times) for n in times[t]])
         return {t: {"sim_time_s": self.clock.ready[t], "sim_compute_s": max(n.compute for n in times[t]),
                     "sim_idle_s": sum(n.idle for n in times[t])} for t in times}
 
     def _reached(self, value: float, when: float) -> None:
         """target_metric: the first simulated time a model reached it."""
-        target, cfg = self.cfg.target_metric, self.cfg
-        if not cfg.target_metric or self.time_to_target is not None or not math.isfinite(value):
+        target = self.cfg.target_metric
+        if not target or self.time_to_target is not None or not math.isfinite(value):
             return
         if (value >= target) if self.evaluator.higher_is_better else (value <= target):
             self.time_to_target = when
