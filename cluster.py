@@ -394,7 +394,6 @@ class ClusterController:
         log.info("clock: network %s; throughput %s; node speeds %s", describe(self.clock.network),
                  self.clock.curve.source, " ".join(f"{v:g}" for v in cfg.node_speeds))
         self.round_work: dict[int, list[NodeWork]] = {}  # this round's work per trainer, for the clock
-        self.round_inner_steps: dict[int, int] = {}
         self.time_to_target: float | None = None  # target_metric: when a trainer first reached it
         self.tokens_total = 0
         self.last_outer_step = 0
@@ -559,8 +558,10 @@ class ClusterController:
                         self.cfg.num_inner_steps,
                         self.statistics_bytes if result is not None and result.statistics is not None else 0)
 
-    def _clock_round(self, outer_step: int, trainer_ids: list[int], results: dict[int, RoundResult]) -> dict:
+    def _clock_round(self, outer_step: int, jobs: list[NodeJob], results: dict[int, RoundResult]) -> dict:
         """The round on the clock: each trainer's (end, slowest compute, idle node-seconds); node rows logged."""
+        trainer_ids = sorted({j.trainer_id for j in jobs})
+        inner_steps = {j.node_id: j.sample_indices.shape[0] for j in jobs}
         slowdown = self.schedule.slowdown(outer_step)
         times = self.clock.round([TrainerWork(t, self.round_work[t], self._sync_cost(results.get(t)))
                                   for t in trainer_ids], slowdown)
@@ -568,7 +569,7 @@ class ClusterController:
         work = {w.node_id: w for t in trainer_ids for w in self.round_work[t]}
         self.logger.log_node_times([
             {"outer_step": outer_step, "node_id": n.node_id, "trainer_id": t, "speed": speeds[n.node_id],
-             "slowdown": slowdown.get(n.node_id, 1.0), "inner_steps": self.round_inner_steps[n.node_id],
+             "slowdown": slowdown.get(n.node_id, 1.0), "inner_steps": inner_steps[n.node_id],
              "micro_batch": work[n.node_id].micro_batch, "accumulation_steps": work[n.node_id].accumulation,
              "tokens": int(work[n.node_id].tokens), "start_s": n.start, "compute_s": n.compute, "idle_s": n.idle,
              "end_s": n.end} for t in sorted(times) for n in times[t]])
@@ -617,7 +618,7 @@ class ClusterController:
         assignment = assign_nodes(node_counts(requested, len(present)), {n: self.owner[n] for n in present})
         slowdown = self.schedule.slowdown(outer_step)
         jobs, moves = [], []
-        self.round_work, self.round_inner_steps = {}, {}
+        self.round_work = {}
         sources = {t: self._holder(t) for t in assignment}  # before this round changes holds
         for node_id in away:  # it may hand its state on now; its copy goes stale as its trainer trains on
             self.holds[node_id] = STALE
@@ -644,7 +645,6 @@ class ClusterController:
                 tokens = float(self.data.train.tokens_per_sequence[indices.reshape(-1)].sum())
                 self.round_work.setdefault(t, []).append(NodeWork(node_id, tokens, loader_batch, accumulation,
                                                                   trainer.transfer_bytes() if moved else 0))
-                self.round_inner_steps[node_id] = steps
         for t, node_ids in assignment.items():
             for node_id in node_ids:
                 self.owner[node_id] = t
@@ -710,7 +710,7 @@ class ClusterController:
             fault = TrainingFault(f"fault at outer step {outer_step}, {detail}")
             fault.state_is_good = False
             raise fault
-        clock = self._clock_round(outer_step, trainer_ids, results)
+        clock = self._clock_round(outer_step, jobs, results)
         if self.streaming is not None:  # the good nodes' own weights go on next round, if their trainer stays the same
             for f in faults:
                 self.continues[f.node_id] = None

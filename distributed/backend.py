@@ -179,11 +179,12 @@ class DistributedBackend:
         for t in trainer_ids:  # new groups are made collectively, in the same order everywhere
             if len(members[t]) > 1:
                 self._group(members[t])
+        # node_schedule: a rank whose node is away has no job; it idles, taking part in world collectives only
         job = next((j for j in jobs if j.node_id == self.rank), None)
-        if job is None:  # node_schedule: this rank's node is away; it idles, taking part in world collectives only
-            return self._away(trainer_ids)
         abandoned, outcome, outer_error = False, None, ""
-        if self.streaming is not None:
+        if job is None:
+            pass
+        elif self.streaming is not None:
             outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers)
         else:
             try:
@@ -191,8 +192,9 @@ class DistributedBackend:
             except RoundAbandoned:
                 abandoned = True
         good = isinstance(outcome, NodeResult)
-        fact = {"node_id": job.node_id, "trainer_id": job.trainer_id, "abandoned": abandoned,
-                "fault": None if good or abandoned else vars(outcome),
+        mine = None if job is None else job.trainer_id
+        fact = {"node_id": self.rank, "trainer_id": mine, "abandoned": abandoned,
+                "fault": None if good or abandoned or job is None else vars(outcome),
                 "losses": outcome.step_losses if good else None, "tokens": outcome.tokens if good else 0,
                 "lr": outcome.learning_rate if good else 0.0,
                 "has_samples": good and outcome.grad_samples is not None}
@@ -200,29 +202,27 @@ class DistributedBackend:
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
             raise RoundAbandoned("a stop was requested")
         faults = [NodeFault(**f["fault"]) for f in facts if f["fault"] is not None]
-        mine = job.trainer_id
         good_facts = {t: [f for f in facts if f["trainer_id"] == t and f["losses"] is not None] for t in trainer_ids}
+        own = good_facts.get(mine, [])  # this rank's trainer's good nodes (none when away)
         node_mean, statistics = None, None
         if self.streaming is not None:
             pass  # the fragments' outer steps ran during the round
-        elif good_facts[mine] and self.sync.exact:
+        elif own and self.sync.exact:
             weights = self._flat(outcome.state if good else None)
             if self.by_tokens:  # each node's share of the tokens, known to all from the facts
-                shares = token_shares([f["tokens"] for f in good_facts[mine]])
-                ids = [f["node_id"] for f in good_facts[mine]]
-                weights *= shares[ids.index(self.rank)] if good else 0.0
+                shares = token_shares([f["tokens"] for f in own])
+                weights *= shares[[f["node_id"] for f in own].index(self.rank)] if good else 0.0
             if len(members[mine]) > 1:
                 weights = self._all_reduce(weights, members[mine], "weights")
-            node_mean = self._unflat(weights.to(self.master_device) / (1 if self.by_tokens else len(good_facts[mine])))
-        elif good_facts[mine]:  # compressed: every member decodes every good node's payload
+            node_mean = self._unflat(weights.to(self.master_device) / (1 if self.by_tokens else len(own)))
+        elif own:  # compressed: every member decodes every good node's payload
             payload = outcome.payload if good else torch.zeros(self.sync.payload_bytes(self.numel), dtype=torch.uint8)
             parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
-            shares = token_shares([f["tokens"] for f in good_facts[mine]]) if self.by_tokens else None
-            node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(f["node_id"])]
-                                                         for f in good_facts[mine]], shares)
-        if good_facts[mine]:
-            if any(f["has_samples"] for f in good_facts[mine]):
-                statistics = self._statistics(outcome if good else None, members[mine])
+            shares = token_shares([f["tokens"] for f in own]) if self.by_tokens else None
+            node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(f["node_id"])] for f in own],
+                                            shares)
+        if own and any(f["has_samples"] for f in own):
+            statistics = self._statistics(outcome if good else None, members[mine])
         # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.
         shared_statistics = {}
         if any(f["has_samples"] for f in facts):
@@ -234,24 +234,6 @@ class DistributedBackend:
             if good_facts[t]:
                 results[t] = self._result(t, good_facts[t], node_mean if t == mine else None,
                                           shared_statistics.get(t), outer_error if t == mine else "")
-        return results, faults
-
-    def _away(self, trainer_ids: list[int]):
-        """A round without this rank's node: its facts say so, and it joins the world collectives the others make."""
-        fact = {"node_id": self.rank, "trainer_id": None, "abandoned": False, "fault": None, "losses": None,
-                "tokens": 0, "lr": 0.0, "has_samples": False}
-        facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
-        if any(f["abandoned"] for f in facts):
-            raise RoundAbandoned("a stop was requested")
-        faults = [NodeFault(**f["fault"]) for f in facts if f["fault"] is not None]
-        shared_statistics = {}
-        if any(f["has_samples"] for f in facts):
-            shared_statistics = {t: s for part in self._gather({}) for t, s in part.items()}
-        results = {}
-        for t in trainer_ids:
-            group = [f for f in facts if f["trainer_id"] == t and f["losses"] is not None]
-            if group:
-                results[t] = self._result(t, group, None, shared_statistics.get(t), "")
         return results, faults
 
     @staticmethod

@@ -72,9 +72,13 @@ def test_paths_stay_in_their_place(override, key):
     ("fragment_alpha=1.5", "fragment_alpha", "(0, 1]"),
 ])
 def test_bad_communication_settings_stop_in_one_line_before_any_work(override, key, words, tmp_path, capsys):
+    assert_refused_before_any_work(override.split(), key, words, tmp_path, capsys)
+
+
+def assert_refused_before_any_work(overrides: list[str], key: str, words: str, tmp_path, capsys) -> None:
+    """run.py with these overrides: exit 2, one error line naming `key` and saying `words`, nothing made."""
     logs = tmp_path / "logs"
-    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off",
-                 *override.split()]) == 2
+    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off", *overrides]) == 2
     (line,) = error_lines(capsys)
     assert f"'{key}'" in line and words in line, line
     assert not logs.exists()  # nothing was made

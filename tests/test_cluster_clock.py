@@ -13,7 +13,7 @@ import pytest
 from algorithms.clock import ThroughputCurve
 from run import main
 from tests.conftest import ROOT, TINY
-from tests.test_bad_input import error_lines
+from tests.test_bad_input import assert_refused_before_any_work, error_lines
 from tests.test_distributed import RUN, assert_same_decisions, torchrun
 from tests.test_resume_and_faults import (
     STEPS,
@@ -125,13 +125,8 @@ def test_the_same_schedule_under_torchrun_gives_the_simulations_decisions(tmp_pa
     ("inner_steps_by_speed=true|sync_fragments=2|num_inner_steps=4", "inner_steps_by_speed", "Streaming DiLoCo"),
 ])
 def test_bad_cluster_descriptions_stop_in_one_line_before_any_work(override, key, words, tmp_path, capsys):
-    logs = tmp_path / "logs"
-    curve = curve_file(tmp_path)
-    args = override.replace("{tmp}", str(tmp_path)).replace("{curve}", str(curve)).split("|")
-    assert main(["--config", str(ROOT / "config.yaml"), f"log_dir={logs}", "clearml_mode=off", *args]) == 2
-    (line,) = error_lines(capsys)
-    assert f"'{key}'" in line and words in line, line
-    assert not logs.exists()  # nothing was made
+    args = override.replace("{tmp}", str(tmp_path)).replace("{curve}", str(curve_file(tmp_path))).split("|")
+    assert_refused_before_any_work(args, key, words, tmp_path, capsys)
 
 
 def test_a_curve_below_the_probed_max_batch_is_refused_before_training(cache_dir, tmp_path, capsys):
