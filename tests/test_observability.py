@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -213,3 +214,45 @@ def test_clearml_with_an_unwritable_home_says_how_to_run_without_it(tmp_path, ca
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: config key 'clearml_mode': ClearML could not start (") and \
             "run without it with clearml_mode=off" in last, last
+
+
+def test_the_best_model_line_is_the_model_alive_after_each_merge(tmp_path):
+    """At a merge step, training_log.csv scores the trainers before the merge; the bold line (and the
+    trackers' global metric) must show what exists after it: the merged model, not an absorbed parent."""
+    import shutil
+
+    import matplotlib.figure
+
+    from training_logs.plots import best_alive, models_alive, plot_training
+
+    # hand-computed: T2 (the best, 0.5) is absorbed into T0; the merged model scores 0.8, T1 stays at 2.0
+    assert models_alive({"0": 1.0, "1": 2.0, "2": 0.5},
+                        [{"survivor": "0", "merged": "2", "metric_after": "0.8"}]) == {"0": 0.8, "1": 2.0}
+    assert models_alive({0: 1.0, 1: 2.0}, []) == {"0": 1.0, "1": 2.0}
+
+    # a recorded run: at step 6 trainer 2 (432.426 before the merge) is absorbed into trainer 0; the merged
+    # model scores 432.32, and it is the only model left. At step 2 the merged T0 (451.464) is worse than T2.
+    report = tmp_path / "report"
+    shutil.copytree(ROOT / "tests/fixtures/priced_runs/adloco_seed1/model_training_report", report)
+    rows = [r for r in csv.DictReader((report / "training_log.csv").open()) if r["val_perplexity"]]
+    merges = list(csv.DictReader((report / "merge_events.csv").open()))
+    best = best_alive(rows, merges, "val_perplexity", higher_is_better=False)
+    assert best[6][1] == pytest.approx(432.32) and best[6][0]["trainer_id"] == "0"
+    assert best[2][1] == pytest.approx(451.283) and best[2][0]["trainer_id"] == "2"
+
+    drawn: dict[str, list] = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kwargs):  # the figure's own data, read back as it is saved
+        drawn[Path(path).name] = [line for ax in fig.axes for line in ax.get_lines()]
+        return original(fig, path, *args, **kwargs)
+
+    matplotlib.figure.Figure.savefig = record
+    try:
+        plot_training(report / "training_log.csv", report / "merge_events.csv", report)
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    bold = next(line for line in drawn["val_perplexity_per_trainer.png"] if line.get_label() == "best model alive")
+    assert dict(zip(bold.get_xdata(), bold.get_ydata()))[6] == pytest.approx(432.32)
+    communication = [line for line in drawn["val_perplexity_vs_communication.png"] if line.get_linewidth() == 2]
+    assert len(communication) == 3 and all(line.get_ydata()[6] == pytest.approx(432.32) for line in communication)

@@ -1,14 +1,19 @@
 """PNG plots of a run, drawn from its CSV files (so they can be redrawn at any time).
 
-training_log.csv -> validation metric per trainer against outer step (the best trainer of each step
-drawn bold: the surviving model's path) and against each trainer's own tokens; the best model alive
-against rounds, syncs and bytes (the cluster's communication); requested batch per trainer, trainers
-alive, node assignment over time. step_loss_log.csv -> loss per trainer. Merges are drawn dotted.
+training_log.csv -> validation metric per trainer against outer step (the best model alive after each
+step drawn bold) and against each trainer's own tokens; the best model alive against rounds, syncs and
+bytes (the cluster's communication); requested batch per trainer, trainers alive, node assignment over
+time. step_loss_log.csv -> loss per trainer. Merges are drawn dotted.
+
+"Alive after a step" is what exists once the step's merges are done: training_log.csv scores each trainer
+before the merge, so at a merge step the absorbed trainers are dropped and the survivor is scored by the
+merged model (merge_events.csv's metric_after), as metrics.jsonl and the trackers report it.
 """
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +23,35 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from matplotlib.transforms import offset_copy  # noqa: E402
+
+
+def models_alive(metrics: Mapping[str, float], merge_events: Iterable[Mapping]) -> dict[str, float]:
+    """The models that exist after an outer step, by trainer id: each trainer's metric as evaluated before the
+    step's merges, without the trainers those merges absorbed, the survivors scored by the merged model."""
+    alive = {str(t): float(v) for t, v in metrics.items()}
+    for event in merge_events:
+        for merged in str(event["merged"]).split():
+            alive.pop(merged, None)
+        if event.get("metric_after") not in (None, ""):
+            alive[str(event["survivor"])] = float(event["metric_after"])
+    return alive
+
+
+def best_alive(rows: list[dict[str, str]], merge_rows: list[dict[str, str]], metric: str,
+               higher_is_better: bool) -> dict[int, tuple[dict[str, str], float]]:
+    """Per outer step, the best model alive after it: its trainer's training_log.csv row (for the counters)
+    and its metric (the merged model's at a merge)."""
+    by_step: dict[int, dict[str, dict[str, str]]] = {}
+    for r in rows:
+        by_step.setdefault(int(r["outer_step"]), {})[r["trainer_id"]] = r
+    best: dict[int, tuple[dict[str, str], float]] = {}
+    for step, trainers in sorted(by_step.items()):
+        events = [m for m in merge_rows if int(m["outer_step"]) == step and m.get("metric", metric) == metric]
+        alive = models_alive({t: float(r[metric]) for t, r in trainers.items()}, events)
+        pick = max if higher_is_better else min
+        trainer = pick((t for t in alive if t in trainers), key=alive.__getitem__)
+        best[step] = (trainers[trainer], alive[trainer])
+    return best
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -60,7 +94,8 @@ def _save(ax, path: Path, merges: list[float], xlabel: str, ylabel: str, title: 
 def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str = "val_perplexity",
                   higher_is_better: bool = False) -> list[Path]:
     rows = [r for r in _read(csv_path) if r.get(metric)]
-    merge_steps = [int(m["outer_step"]) for m in _read(merge_path)]
+    merge_rows = _read(merge_path)
+    merge_steps = [int(m["outer_step"]) for m in merge_rows]
     per_trainer: dict[str, list[dict[str, str]]] = {}
     for r in rows:
         per_trainer.setdefault(r["trainer_id"], []).append(r)
@@ -69,12 +104,8 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
     log_y = metric == "val_perplexity"
     outputs = []
 
-    # the best trainer of every step: what a user would keep at that point (the cluster's model)
-    best: dict[int, dict[str, str]] = {}
-    for r in rows:
-        step, value = int(r["outer_step"]), float(r[metric])
-        if step not in best or (value > float(best[step][metric])) == higher_is_better:
-            best[step] = r
+    # the best model alive after every step: what a user would keep at that point (the cluster's model)
+    best = best_alive(rows, merge_rows, metric, higher_is_better)
     steps = sorted(best)
 
     # each trainer against outer steps, and against the tokens it has trained on itself
@@ -87,16 +118,16 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
                     alpha=0.7, label=f"trainer {t}")
         marks: list[float] = []
         if x_key == "outer_step":
-            ax.plot(steps, [float(best[s][metric]) for s in steps], color="black", lw=2,
-                    label="best trainer (surviving model)")
+            ax.plot(steps, [best[s][1] for s in steps], color="black", lw=2, label="best model alive")
             _integer_steps(ax)
             marks = merge_steps
-        else:  # a merge happens at a different token count for each trainer: marked on the survivor's curve
-            survivors = {int(m["outer_step"]): m["survivor"] for m in _read(merge_path)}
-            merged = [r for r in rows if survivors.get(int(r["outer_step"])) == r["trainer_id"]]
+        else:  # a merge happens at a different token count for each trainer: the merged model is marked at
+            # its members' tokens together (where the survivor's curve goes on from)
+            tokens = {(r["outer_step"], r["trainer_id"]): float(r["tokens_seen"] or 0) for r in rows}
+            merged = [(sum(tokens.get((m["outer_step"], t), 0.0) for t in (m["survivor"], *m["merged"].split())),
+                       float(m["metric_after"])) for m in merge_rows if m.get("metric_after")]
             if merged:
-                ax.scatter([float(r["tokens_seen"] or 0) for r in merged], [float(r[metric]) for r in merged],
-                           marker="x", s=60, color="black", zorder=3, label="merge (into this trainer)")
+                ax.scatter(*zip(*merged), marker="x", s=60, color="black", zorder=3, label="merged model")
         if log_y:
             readable_y(ax, values)
         title = f"Validation {label}" + (" per trainer" if x_key == "outer_step" else ": each trainer's own tokens")
@@ -107,11 +138,11 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
                 ("bytes_communicated", "MB communicated", 1e6)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
     for ax, (key, x_label, scale) in zip(axes, counters):
-        xs = [float(best[s].get(key) or 0) / scale for s in steps]
-        ax.plot(xs, [float(best[s][metric]) for s in steps], color="black", lw=2, marker="o", ms=3)
+        xs = [float(best[s][0].get(key) or 0) / scale for s in steps]
+        ax.plot(xs, [best[s][1] for s in steps], color="black", lw=2, marker="o", ms=3)
         for step in merge_steps:
             if step in best:
-                ax.axvline(float(best[step].get(key) or 0) / scale, color="grey", ls=":", lw=1)
+                ax.axvline(float(best[step][0].get(key) or 0) / scale, color="grey", ls=":", lw=1)
         ax.set(xlabel=x_label)
         ax.grid(alpha=0.3)
         if log_y:
@@ -131,7 +162,7 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
             rs = [r for r in rs if r.get("sim_time_s")]
             axes[0].plot([float(r["sim_time_s"]) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3,
                          lw=1, alpha=0.7, label=f"trainer {t}")
-        merges = [m for m in _read(merge_path) if m.get("sim_time_s")]
+        merges = [m for m in merge_rows if m.get("sim_time_s")]
         if merges:
             axes[0].scatter([float(m["sim_time_s"]) for m in merges], [float(m["metric_after"]) for m in merges],
                             marker="x", s=60, color="black", zorder=3, label="merged model")

@@ -18,7 +18,7 @@ from pathlib import Path
 from algorithms.traffic import Traffic
 from training_logs.csv_files import start_csv
 from training_logs.memory_monitor import MemoryMonitor
-from training_logs.plots import plot_step_loss, plot_training
+from training_logs.plots import models_alive, plot_step_loss, plot_training
 from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
@@ -154,11 +154,8 @@ class TrainingLogger:
         step = rows[0]["outer_step"]
         scalars = {f"trainer_{r['trainer_id']}/{k}": float(r[k]) for r in rows for k in TRACKED if k in r}
         pick = max if self.higher_is_better else min
-        alive = {r["trainer_id"]: r[self.metric] for r in rows}  # the models that exist after this step
+        alive = models_alive({r["trainer_id"]: r[self.metric] for r in rows}, [merge_event] if merge_event else [])
         if merge_event:
-            for merged in merge_event["merged"].split():
-                alive.pop(int(merged), None)
-            alive[merge_event["survivor"]] = merge_event["metric_after"]
             members = [float(v) for v in merge_event["metric_before"].split()]
             scalars.update({f"merge/{self.metric}_after": float(merge_event["metric_after"]),
                             f"merge/{self.metric}_best_member": pick(members),
