@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,21 +213,25 @@ def plot_histograms(results: dict[int, BatchSizeResult], summaries: dict[int, di
     paths = []
     for b, res in results.items():
         s = summaries[b]
-        fig, ax = plt.subplots(figsize=(9.5, 5))
+        # info and legend in a panel of their own beside the histogram: over it they would hide the tallest
+        # bars; placed outside the axes by hand, they left the figure half blank and the title clipped
+        fig, (ax, side) = plt.subplots(1, 2, figsize=(9.5, 5), gridspec_kw={"width_ratios": [3, 1]})
         ax.hist(res.deviations, bins=min(50, max(5, len(res.deviations) // 2)), density=True, color="tab:blue",
                 edgecolor="black", alpha=0.8)
         ax.axvline(s["mean_deviation"], color="red", ls="--", label=f"mean {s['mean_deviation']:.4g}")
         ax.axvline(s["median_deviation"], color="green", ls=":", label=f"median {s['median_deviation']:.4g}")
-        ax.set(title=f"Mini-batch gradient deviation from the full gradient (B = {b})",
-               xlabel=r"$\|\nabla F_B(x) - \nabla F(x)\|$", ylabel="probability density")
-        text = "\n".join([f"model: {info['model']}", f"checkpoint: {info['checkpoint']}",
-                          f"dataset: {info['dataset']}", f"samples: {info['num_samples']}", f"batch size: {b}",
-                          f"mini-batches: {s['num_batches']}", f"excess kurtosis: {s['excess_kurtosis']:.3g}"])
-        # info and legend beside the axes: over them they would hide the tallest bars
-        ax.text(1.02, 1.0, text, transform=ax.transAxes, ha="left", va="top", fontsize=8,
-                bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
-        fig.tight_layout(rect=(0, 0, 0.8, 1))
+        ax.set(xlabel=r"$\|\nabla F_B(x) - \nabla F(x)\|$", ylabel="probability density")
+        fig.suptitle(f"Mini-batch gradient deviation from the full gradient (B = {b})")
+        lines = [f"model: {info['model']}", f"checkpoint: {info['checkpoint']}", f"dataset: {info['dataset']}",
+                 f"samples: {info['num_samples']}", f"batch size: {b}", f"mini-batches: {s['num_batches']}",
+                 f"excess kurtosis: {s['excess_kurtosis']:.3g}"]
+        # long paths and names wrapped to the panel's width (else tight_layout shrinks the histogram for them)
+        text = "\n".join(textwrap.fill(line, 30, subsequent_indent="  ") for line in lines)
+        side.axis("off")
+        side.text(0.0, 1.0, text, transform=side.transAxes, ha="left", va="top", fontsize=8,
+                  bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
+        side.legend(*ax.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.0, 0.35), fontsize=8)
+        fig.tight_layout()
         path = out / f"gradient_deviation_hist_B{b}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)

@@ -4,6 +4,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,41 @@ def test_a_bit_flipped_checkpoint_is_refused_by_its_manifest(tmp_path, tiny_conf
         assert not (tmp_path / "out" / "gradient_analysis.json").exists()
         data[-7] ^= 0x01
         damaged.write_bytes(bytes(data))  # repaired: the next target is damaged alone
+
+
+def test_histogram_figures_use_their_width_and_clip_nothing(tmp_path):
+    """The histogram fills most of the figure, its info and legend sit in a panel beside it, and nothing
+    (title, info box, labels) falls outside the figure, even with a long checkpoint path."""
+    import matplotlib.figure
+
+    from gradient_analysis.gradient_analysis import BatchSizeResult, plot_histograms
+
+    results = {4: BatchSizeResult(4, deviations=[2.56, 2.57, 2.59, 2.59, 2.58, 2.60], num_samples=24)}
+    summaries = {4: results[4].summary(0.7)}
+    info = {"model": "microllama-tiny", "dataset": "c4", "num_samples": 24,
+            "checkpoint": "/home/someone/experiments/logs/microllama-tiny_c4_2026_11_23_16_33_25/model_weights/"
+                          "step_00000010/trainer_0.safetensors"}
+    measured = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kwargs):  # measure the figure as it is written, in pixels
+        renderer = fig.canvas.get_renderer()
+        measured[Path(path).name] = {"figure": fig.bbox.bounds, "axes": fig.axes[0].get_position().bounds,
+                                     "drawn": fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans).extents,
+                                     "title": fig._suptitle.get_window_extent(renderer).extents if fig._suptitle
+                                     else fig.axes[0].title.get_window_extent(renderer).extents}
+        return original(fig, path, *args, **kwargs)
+
+    matplotlib.figure.Figure.savefig = record
+    try:
+        paths = plot_histograms(results, summaries, info, tmp_path)
+    finally:
+        matplotlib.figure.Figure.savefig = original
+    assert [p.name for p in paths] == ["gradient_deviation_hist_B4.png", "deviation_vs_batch_size.png"]
+    m = measured["gradient_deviation_hist_B4.png"]
+    width, height = m["figure"][2:]
+    x0, y0, x1, y1 = m["drawn"]
+    assert x0 >= -1 and y0 >= -1 and x1 <= width + 1 and y1 <= height + 1, f"drawn outside the figure: {m}"
+    assert x1 > 0.9 * width, f"the right {1 - x1 / width:.0%} of the figure is blank"
+    assert m["axes"][2] > 0.55, f"the histogram takes only {m['axes'][2]:.0%} of the width"
+    assert 0 <= m["title"][0] and m["title"][2] <= width, f"title clipped: {m['title']}"
