@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,9 +140,33 @@ def test_sigterm_with_clearml_stops_in_time_and_resumes_exactly(reference, tmp_p
     assert no_temporaries(run_dir) and in_use(run_dir) is None
     stopped_at = latest_checkpoint(run_dir / "model_weights", load_config(run_dir / "config.yaml").meaning_hash())
     assert stopped_at.outer_step >= 3
+    assert [Path(s).is_file() for s in first_task["offline_sessions"]] == [True]
     run_dir, _ = resume(run_dir)  # a new offline ClearML session that names the task it continues
-    assert json.loads((run_dir / "clearml_task.json").read_text())["continues"] == first_task["task_id"]
+    record = json.loads((run_dir / "clearml_task.json").read_text())
+    assert record["continues"] == first_task["task_id"]
     assert_same_run(reference, run_dir)
+    log_text = (run_dir / "training_log.log").read_text()
+    # both parts are listed in order, and the printed command (with this interpreter) imports them as one task
+    assert record["offline_sessions"][0] == first_task["offline_sessions"][0]
+    assert len(record["offline_sessions"]) == 2 and all(Path(s).is_file() for s in record["offline_sessions"])
+    assert f"{sys.executable} -m training_logs.clearml_tracker {run_dir.resolve()}" in log_text
+    assert "import the run's 2 sessions into a server later, as one task" in log_text
+
+    class Server:  # ClearML's Task.import_offline_session, recorded
+        calls = []
+
+        @classmethod
+        def import_offline_session(cls, session, previous_task_id=None):
+            cls.calls.append((session, previous_task_id))
+            return previous_task_id or "task-on-server"
+
+    from training_logs.clearml_tracker import import_run
+
+    assert import_run(run_dir, Server) == "task-on-server"
+    assert Server.calls == [(record["offline_sessions"][0], None), (record["offline_sessions"][1], "task-on-server")]
+    Path(record["offline_sessions"][1]).unlink()
+    with pytest.raises(SystemExit, match="offline ClearML session .* is gone .1 of 2 missing.; nothing imported"):
+        import_run(run_dir, Server)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2])

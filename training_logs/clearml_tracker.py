@@ -5,6 +5,11 @@ credentials exists, else offline) and off. Before going online the API server is
 timeout (`clearml_timeout_s`); an unreachable server gives a warning and an offline session instead of
 ClearML's own retries, which can block for minutes. ClearML's automatic framework, console and
 resource hooks are off, so nothing is reported twice.
+
+A run resumed offline writes one offline session per part; run_dir/clearml_task.json lists them, and
+`python -m training_logs.clearml_tracker RUN_DIR` imports them into a server as one task (the first part
+creates it, or continues the run's online task; each later part continues it; steps are absolute outer
+steps, so no offset).
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ import json
 import logging
 import os
 import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from training_logs.trackers import Tracker, split_key
+from utils.safe_write import write_atomic
 
 log = logging.getLogger(__name__)
 DEFAULT_API = "https://api.clear.ml"
@@ -123,9 +131,13 @@ class ClearMLTracker(Tracker):
             self.task.set_comment(note)
             self.task.add_tags(["resumed"])
             log.info("ClearML: new session; %s", note)
+        self.record = record
         if record is not None:
-            record.write_text(json.dumps({"task_id": self.task.id, "mode": self.mode,
-                                          "continues": previous.get("task_id")}))
+            # the run's earlier offline parts, and the online task they (or this part) continue, for import_run
+            online_task = previous.get("task_id") if previous.get("mode") == "online" else previous.get("online_task")
+            write_atomic(record, json.dumps({"task_id": self.task.id, "mode": self.mode,
+                                             "continues": previous.get("task_id"), "online_task": online_task,
+                                             "offline_sessions": previous.get("offline_sessions", [])}))
         self.logger = self.task.get_logger()
         if self.mode == "online":
             log.info("ClearML: %s", self.task.get_output_log_web_page())
@@ -160,8 +172,59 @@ class ClearMLTracker(Tracker):
         folder = self.task.get_offline_mode_folder() if self.mode == "offline" else None
         self.logger.flush(wait=True)
         self.task.close()
-        if folder is not None:
-            zip_path = Path(f"{folder}.zip")
-            log.info("ClearML offline session: %s\nimport it into a server later with:\n  clearml-task "
-                     "--import-offline-session %s   (or: python -c \"from clearml import Task; "
-                     "Task.import_offline_session('%s')\")", zip_path, zip_path, zip_path)
+        if folder is None:
+            return
+        zip_path = Path(f"{folder}.zip").resolve()
+        # the interpreter that ran us (bare `python` / `clearml-task` fail outside an active venv)
+        python = shlex.quote(sys.executable)
+        one = (f"{shlex.quote(str(Path(sys.executable).parent / 'clearml-task'))} --import-offline-session "
+               f"{shlex.quote(str(zip_path))}")
+        if self.record is None:
+            log.info("ClearML offline session: %s\nimport it into a server later with:\n  %s", zip_path, one)
+            return
+        state = _read_record(self.record)
+        state["offline_sessions"] = [*state.get("offline_sessions", []), str(zip_path)]
+        write_atomic(self.record, json.dumps(state))
+        parts = len(state["offline_sessions"])
+        log.info("ClearML offline session: %s\nimport %s into a server later, as one task, with:\n"
+                 "  cd %s && %s -m training_logs.clearml_tracker %s\n(this part alone: %s)", zip_path,
+                 f"the run's {parts} sessions" if parts > 1 else "it",
+                 shlex.quote(str(Path(__file__).resolve().parents[1])), python,
+                 shlex.quote(str(self.record.parent.resolve())), one)
+
+
+def import_run(run_dir: Path, task_class: Any = None) -> str | None:
+    """Import a run's offline ClearML sessions into the configured server as one task, in the order they
+    ran; returns the task id."""
+    record = _read_record(run_dir / "clearml_task.json")
+    sessions = record.get("offline_sessions", [])
+    if not sessions:
+        raise SystemExit(f"error: {run_dir / 'clearml_task.json'}: no offline ClearML sessions recorded "
+                         "(not a run directory, or a run that used no offline session)")
+    missing = [s for s in sessions if not Path(s).is_file()]
+    if missing:
+        raise SystemExit(f"error: offline ClearML session {missing[0]} is gone ({len(missing)} of {len(sessions)} "
+                         "missing); nothing imported")
+    if task_class is None:
+        from clearml import Task as task_class
+    task_id = record.get("online_task")
+    for i, session in enumerate(sessions):
+        task_id = task_class.import_offline_session(session, previous_task_id=task_id)
+        if task_id is None:
+            raise SystemExit(f"error: ClearML did not import {session} (part {i + 1} of {len(sessions)}); "
+                             "the parts before it are on the server")
+        print(f"imported {session} -> task {task_id}")
+    return task_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Import a run's offline ClearML sessions as one task.")
+    parser.add_argument("run_dir", type=Path, help="the run directory (holds clearml_task.json)")
+    import_run(parser.parse_args(argv).run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
