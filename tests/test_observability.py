@@ -5,6 +5,7 @@ import csv
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,6 +70,13 @@ def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
                      ("process_rss_mib", "memory_before_round"), ("process_rss_mib", "memory_round_peak")]:
         assert expected in pairs, expected
     assert sorted({i for m, v, i in scalars if (m, v) == ("val_perplexity", "global")}) == [0, 1, 2, 3]
+    # the progress bar after the merge of step 2 shows what exists then: 1 trainer, the merged model's metric
+    # (tqdm counts a step when the next begins: the postfix set in step k is drawn beside "k-1/3")
+    bars = {int(m.group(1)) + 1: m.group(2) for m in re.finditer(r"\| (\d)/3 \[[^\]]*?, ([^\]]*)\]", proc.stderr)}
+    merged = next(e["value"] for e in events if (e.get("metric"), e.get("variant"), e.get("iter"))
+                  == ("val_perplexity", "global", 2))
+    assert "trainers=1" in bars[2] and f"perplexity={merged:.4g}" in bars[2], bars
+    assert "trainers=2" in bars[1], bars
     images = {e["variant"] for e in events if e["type"] == "training_debug_image"}
     assert {"val_perplexity_per_trainer", "requested_batch_per_trainer", "memory_usage", "step_loss"} <= images
     artifacts = {a["key"] for a in task["execution"]["artifacts"]}
