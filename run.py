@@ -228,6 +228,9 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
             log.info("torchrun: %d processes, this is rank %d (node %d)", env.world_size, env.rank, env.rank)
         log.info("cpu kernels: %s, %d threads (cpu_capability, cpu_threads; the last digits of a run depend on them)",
                  cfg.cpu_capability, _threads())
+        # the whole config in the run's log (not on the console): the log alone says what ran
+        log.info("config (as config.yaml records it):\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
+                 extra=FILE_ONLY)
         for warning in cfg.warnings():
             log.warning("config: %s", warning)
         set_seeds(cfg.training_seed)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT
 from utils.config import TABLE_END, TABLE_START, Config, load_config, markdown_table
@@ -147,3 +148,19 @@ def test_cpu_kernels_are_chosen_before_torch_starts_and_recorded(tmp_path, cache
     with pytest.raises(ConfigError, match=f"'cpu_capability': '{other}' is not what torch uses in this process"):
         train(load_config(ROOT / "config.yaml", [*TINY, f"log_dir={tmp_path}", f"cpu_capability={other}"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["auto", "avx2"]
+
+
+def test_committed_configs_name_the_data_they_load():
+    """A config's data header says which corpus its dataset key loads (cpu_c4.yaml once said 'embedded corpus'
+    over dataset: c4)."""
+    checked = 0
+    for path in [ROOT / "config.yaml", *sorted((ROOT / "configs").glob("*.yaml"))]:
+        text = path.read_text()
+        header = next((line for line in text.splitlines() if line.startswith("# --- data")), None)
+        dataset = (yaml.safe_load(text) or {}).get("dataset")
+        if header is None or dataset is None:
+            continue
+        checked += 1
+        assert ("embedded English corpus" in header) == (dataset == "embedded"), (path.name, header)
+        assert ("C4 sample" in header) == (dataset == "c4"), (path.name, header)
+    assert checked >= 5

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from transformers import LlamaForCausalLM
 
 from fabrics.corpus import load_corpus
@@ -29,6 +30,10 @@ def test_tiny_run_end_to_end(tiny_config):
                  "model_training_report/requested_batch_per_trainer.png", "model_training_report/trainers_alive.png",
                  "model_weights/outer_step_0002/trainer_0.safetensors", "model_weights/final/final_model/config.json"):
         assert (run_dir / name).is_file(), name
+    # the text log holds the whole config, as config.yaml records it
+    log_text = (run_dir / "training_log.log").read_text()
+    block = log_text.split("config (as config.yaml records it):\n", 1)[1].split("\n20", 1)[0]
+    assert yaml.safe_load(block) == yaml.safe_load((run_dir / "config.yaml").read_text())
     rows = rows_of(run_dir)
     # one row per trainer per outer step (+ outer step 0), trainers drop after the merge at step 2
     assert [(r["outer_step"], r["trainer_id"]) for r in rows] == [

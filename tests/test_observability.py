@@ -58,6 +58,7 @@ def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
     folder, events, task = read_offline_session(tmp_path)
     assert os.path.isfile(folder + ".zip") and "import-offline-session" in proc.stdout + proc.stderr
     assert f"{sys.executable} -m training_logs.clearml_tracker" in proc.stdout + proc.stderr  # not a bare python
+    assert "config (as config.yaml records it)" not in proc.stdout + proc.stderr  # the log file's only
     scalars = [(e["metric"], e["variant"], e["iter"]) for e in events if e["type"] == "training_stats_scalar"]
     assert len(scalars) == len(set(scalars)), "an iteration was reported twice"
     pairs = {(m, v) for m, v, _ in scalars}
