@@ -26,6 +26,7 @@ import yaml
 
 from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
 from utils.errors import ConfigError, RunStopped, TrainingFault, UserError
+from utils.openmp import limit_openmp_spinning, openmp_waits
 from utils.preflight import check_before_work
 
 log = logging.getLogger("run")
@@ -226,8 +227,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
             log.info("run directory: %s", run_dir)
         if env is not None:
             log.info("torchrun: %d processes, this is rank %d (node %d)", env.world_size, env.rank, env.rank)
-        log.info("cpu kernels: %s, %d threads (cpu_capability, cpu_threads; the last digits of a run depend on them)",
-                 cfg.cpu_capability, _threads())
+        log.info("cpu kernels: %s, %d threads (cpu_capability, cpu_threads; the last digits of a run depend on them); "
+                 "idle threads: %s", cfg.cpu_capability, _threads(), openmp_waits())
         # the whole config in the run's log (not on the console): the log alone says what ran
         log.info("config (as config.yaml records it):\n%s", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
                  extra=FILE_ONLY)
@@ -259,7 +260,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         summary = cluster.train()
         if stop.requested:
             log.warning("%s arrived during the final checkpoint; the run is complete", stop.name)
-        summary["cpu_kernels"] = {"capability": cfg.cpu_capability, "threads": _threads()}
+        summary["cpu_kernels"] = {"capability": cfg.cpu_capability, "threads": _threads(),
+                                  "idle_threads": openmp_waits()}
         logger.finish(summary)
         if writes:  # while the lock is held: nothing of this run is written after another may take the directory
             write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -361,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input, 3 training fault, 1 unexpected error, 130 / 143 stopped by a signal."""
     from utils.signals import StopSignals
 
+    limit_openmp_spinning()  # before anything loads torch
     args = parse_args(argv)
     stop = StopSignals().install()  # from the start: a signal during set-up ends the process in one line too
     try:

@@ -123,17 +123,24 @@ def test_cpu_kernels_are_chosen_before_torch_starts_and_recorded(tmp_path, cache
 
     args = [sys.executable, str(ROOT / "run.py"), *TINY, f"cache_dir={cache_dir}", f"log_dir={tmp_path}",
             "num_outer_steps=1", "cpu_threads=1"]
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     proc = subprocess.run([*args, "run_name=avx2", "cpu_capability=avx2"], cwd=ROOT, capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run_dir = tmp_path / "avx2"
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["cpu_capability"] == "avx2"
-    assert json.loads((run_dir / "summary.json").read_text())["cpu_kernels"] == {"capability": "avx2", "threads": 1}
-    assert "cpu kernels: avx2, 1 threads" in (run_dir / "training_log.log").read_text()
-    # auto records what this CPU gives
-    proc = subprocess.run([*args, "run_name=auto"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    # idle OpenMP threads spin briefly, then sleep (utils/openmp.py), unless the user chose otherwise
+    spin = "spin 1000 then sleep (GOMP_SPINCOUNT)"
+    assert json.loads((run_dir / "summary.json").read_text())["cpu_kernels"] == {"capability": "avx2", "threads": 1,
+                                                                               "idle_threads": spin}
+    assert f"cpu kernels: avx2, 1 threads (cpu_capability, cpu_threads; the last digits of a run depend on them); " \
+           f"idle threads: {spin}" in (run_dir / "training_log.log").read_text()
+    # auto records what this CPU gives; a wait policy of the user's own is kept
+    proc = subprocess.run([*args, "run_name=auto"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "OMP_WAIT_POLICY": "ACTIVE"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert summary["cpu_kernels"]["idle_threads"] == "OMP_WAIT_POLICY=ACTIVE"
     best = torch.backends.cpu.get_cpu_capability().lower() if "ATEN_CPU_CAPABILITY" not in os.environ else None
     recorded = yaml.safe_load((tmp_path / "auto" / "config.yaml").read_text())["cpu_capability"]
     assert recorded in ("default", "avx2", "avx512") and (best is None or recorded == best)
@@ -164,3 +171,23 @@ def test_committed_configs_name_the_data_they_load():
         assert ("embedded English corpus" in header) == (dataset == "embedded"), (path.name, header)
         assert ("C4 sample" in header) == (dataset == "c4"), (path.name, header)
     assert checked >= 5
+
+
+def test_openmp_spinning_is_limited_only_before_torch_loads_and_when_the_user_chose_nothing():
+    """libgomp reads its wait policy once, when torch loads it: set later, it would be recorded but not used."""
+    import os
+
+    code = ("import os, sys; sys.path.insert(0, {root!r}); {before}from utils.openmp import limit_openmp_spinning; "
+            "limit_openmp_spinning(); print(os.environ.get('GOMP_SPINCOUNT'))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def spin(before: str = "", **env: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), before=before)], capture_output=True,
+                              text=True, env={**clean, **env}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert spin() == "1000"
+    assert spin(GOMP_SPINCOUNT="5") == "5"
+    assert spin(OMP_WAIT_POLICY="PASSIVE") == "None"
+    assert spin(before="import torch; ") == "None"
