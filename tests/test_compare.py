@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 
 import pytest
 import yaml
@@ -295,3 +296,22 @@ def test_harness_on_a_described_cluster_times_every_run_by_its_own_clock(tmp_pat
     cluster.write_text("devices: [cpu]\nlr_inner: 0.1\n")
     with pytest.raises(SystemExit, match="'lr_inner' is not a cluster key"):
         compare_main(["--config", str(ROOT / "config.yaml"), "--out", str(out), "--cluster", str(cluster)])
+
+
+def test_busy_machine_benchmark_runs_each_wait_policy_alone_and_beside_busy_processes(tmp_path, cache_dir):
+    """The harness behind BENCHMARKS "CPU time on a busy machine": every setting under both loads, the job's
+    own CPU-seconds (not the busy processes'), ratios against libgomp's default alone; a failing job stops it."""
+    from benchmarks.busy_machine import main as busy_main
+
+    out = tmp_path / "busy"
+    assert busy_main(["--busy", "1", "--out", str(out), *TINY, f"cache_dir={cache_dir}", "num_outer_steps=1"]) == 0
+    rows = json.loads((out / "busy_machine.json").read_text())
+    assert [(r["setting"], r["load"]) for r in rows] == [
+        (s, load) for load in ("alone", "beside 1 busy") for s in ("libgomp_default", "ours", "passive")]
+    assert rows[0]["wall_ratio"] == rows[0]["cpu_ratio"] == 1.0
+    for r in rows:
+        # a job on at most os.cpu_count() cores: its CPU time cannot exceed cores x wall (the spinner's would)
+        assert 0 < r["cpu_s"] <= (os.cpu_count() or 1) * r["wall_s"] + 1
+    assert "| ours | beside 1 busy |" in (out / "busy_machine.md").read_text()
+    with pytest.raises(SystemExit, match="error: the job libgomp_default_0 failed .exit 2.: error: config key"):
+        busy_main(["--busy", "1", *TINY, f"cache_dir={cache_dir}", "num_outer_step=1"])
