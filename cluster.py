@@ -54,7 +54,6 @@ from rounds import (
     wire_size,
 )
 from trainers import TRAINERS, Node, NodeJob, NodeResult, RoundAbandoned, Trainer
-from training_logs.plots import models_alive
 from training_logs.training_monitoring import TrainingLogger
 from utils.checkpoint import Checkpoint, prune_checkpoints, save_checkpoint
 from utils.config import Config
@@ -843,12 +842,9 @@ class ClusterController:
                 wall = self.wall_before + time.time() - self._start
                 for row in rows:  # counters at the end of the outer step, its merge included
                     row.update(self.traffic.row(), wall_time=wall, **self._clock_row())
-                self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
+                # the bar shows what exists after the step: the trainers left after its merge, their best model
+                best = self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
                 log.info(self._step_line(outer_step, rows, merge_event))
-                # what exists after the step: the trainers left after its merge and the best of their models
-                alive = models_alive({r["trainer_id"]: r[self.evaluator.metric] for r in rows},
-                                     [merge_event] if merge_event else [])
-                best = (max if self.evaluator.higher_is_better else min)(alive.values())
                 bar.set_postfix(trainers=len(self.trainers), **{self.evaluator.metric[4:]: f"{best:.4g}"},
                                 batch=max(t.requested_batch for t in self.trainers.values()))
                 self.last_outer_step = outer_step

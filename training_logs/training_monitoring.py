@@ -130,7 +130,8 @@ class TrainingLogger:
     def log_step_losses(self, rows: list[dict]) -> None:
         self.step_losses.log(rows)
 
-    def log_step(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> None:
+    def log_step(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> float:
+        """Record an outer step; returns the metric of the best model alive after it (its merge done)."""
         for row in rows:
             row["trainers_alive"] = trainers_alive
         with self._lock:
@@ -171,6 +172,7 @@ class TrainingLogger:
             "clock/sim_time_s": max(float(r.get("sim_time_s", 0.0)) for r in rows),
         })
         self.tracker.log(scalars, step)
+        return scalars[f"global/{self.metric}"]
 
     def plot(self, step: int) -> list[Path]:
         with self._lock:
