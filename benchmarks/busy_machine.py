@@ -42,10 +42,10 @@ def timed_job(env_extra: dict[str, str], overrides: list[str], log_dir: Path, na
                                   f"run_name={name}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
         _, status, usage = os.wait4(child.pid, 0)  # the job's own rusage (its threads included), not the busy ones'
         wall = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
         last = (err_path.read_text().strip().splitlines() or ["?"])[-1]
-        raise SystemExit(f"error: the job {name} failed (exit {child.returncode}): {last}")
+        raise SystemExit(f"error: the job {name} failed (exit {code}): {last}")
     return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2)}
 
 

@@ -3,10 +3,10 @@
 By default libgomp lets a thread that finished its share of an operation spin for up to 300000 iterations
 before it sleeps. On a machine of one's own that costs nothing; on a shared one the spinning threads take
 the cores from the threads with work, and a small model's many short operations make it most of the run:
-the default run used 3-4x the CPU-seconds and 3x the wall time beside two busy processes (BENCHMARKS.md
-"CPU time on a busy machine"). libgomp already spins only 1000 iterations when its own threads outnumber
-the cores; it cannot see other processes, so we ask for that count always. A wait policy the user set
-(OMP_WAIT_POLICY or GOMP_SPINCOUNT) is kept.
+beside two busy processes the default run took 2.08x the CPU-seconds and 3.55x the wall time of a run
+alone (BENCHMARKS.md "CPU time on a busy machine"). libgomp already spins only 1000 iterations when its
+own threads outnumber the cores; it cannot see other processes, so we ask for that count always. A wait
+policy the user set (OMP_WAIT_POLICY or GOMP_SPINCOUNT) is kept.
 """
 
 from __future__ import annotations
