@@ -1,6 +1,6 @@
 """Communication accounting: what a real cluster would send for the rounds, merges and node moves we run.
 
-Definitions (also in README, "Communication accounting"). P = bytes of one trainer's fp32 weights.
+Definitions (also in docs/communication.md, "Communication accounting"). P = bytes of one trainer's fp32 weights.
 
 rounds              outer steps: synchronisation events of the whole cluster, DiLoCo's wall-clock unit.
 syncs               per-trainer all-reduces that actually cross nodes (a trainer with one node sends

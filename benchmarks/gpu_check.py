@@ -211,7 +211,7 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
         step.ok = code == 0 and numbers.is_file()
         if step.ok:
             step.detail = json.loads(numbers.read_text())
-    elif step.name == "curves":  # the simulated clock's throughput curves (README "A simulated clock")
+    elif step.name == "curves":  # the simulated clock's throughput curves (docs/clock.md)
         from algorithms.clock import ThroughputCurve
 
         for preset in ("microllama-mini", "microllama-300m"):

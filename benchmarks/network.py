@@ -26,7 +26,6 @@ a trainer processing the same number of tokens (the logs keep the trainer's tota
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from algorithms.network import (  # noqa: F401  (the network model's names, for 
 )
 from algorithms.outer_sync import OuterSync
 from algorithms.traffic import ring_allreduce_bytes
+from training_logs.records import MergeEvent, TrainerRow, read_records
 
 
 @dataclass
@@ -160,25 +160,23 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
 
     Runs written before summary.json carried `weight_bytes` get P from their all-reduce traffic."""
     report = run_dir / "model_training_report"
-    with (report / "training_log.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    with (report / "merge_events.csv").open() as f:
-        merges = list(csv.DictReader(f))
+    rows = read_records(report / "training_log.csv", TrainerRow)
+    merges = read_records(report / "merge_events.csv", MergeEvent)
     summary = json.loads((run_dir / "summary.json").read_text())
     run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
-    by_step: dict[int, list[dict[str, str]]] = {}
+    by_step: dict[int, list[TrainerRow]] = {}
     for r in rows:
-        by_step.setdefault(int(r["outer_step"]), []).append(r)
-    merges_at: dict[int, list[dict[str, str]]] = {}
+        by_step.setdefault(r.outer_step, []).append(r)
+    merges_at: dict[int, list[MergeEvent]] = {}
     for m in merges:
-        merges_at.setdefault(int(m["outer_step"]), []).append(m)
+        merges_at.setdefault(m.outer_step, []).append(m)
     weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     stats = _statistics_bytes(run_config, weight_bytes, statistics)
     sync_bytes = _sync_bytes(run_config, weight_bytes)
     streaming = {"fragment_bytes": tuple(summary.get("fragment_bytes") or ()),
                  "overlap_steps": int(run_config.get("sync_delay", 0)),
                  "inner_steps": int(run_config.get("num_inner_steps", 1))}
-    tokens_before = {r["trainer_id"]: 0.0 for r in by_step.get(0, [])}
+    tokens_before = {r.trainer_id: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0
     held: dict[int, tuple[int, int]] = {}  # node -> (trainer, weights version) it holds, as the cluster tracks it
     version: dict[int, int] = {}
@@ -186,42 +184,39 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
     for step in sorted(s for s in by_step if s > 0):
         trained = by_step[step]
         first = trained[0]
-        work = RoundWork(step, [], [MergeWork(int(m["survivor"]), int(m["bytes"]),
-                                              (int(m["survivor"]), *map(int, m["merged"].split())))
+        work = RoundWork(step, [], [MergeWork(m.survivor, m.bytes, (m.survivor, *map(int, m.merged.split())))
                                     for m in merges_at.get(step, [])],
-                         int(first["node_moves"] or 0) - moves_before,
-                         int(first["node_move_bytes"] or 0) - move_bytes_before)
-        moves_before, move_bytes_before = int(first["node_moves"] or 0), int(first["node_move_bytes"] or 0)
+                         (first.node_moves or 0) - moves_before, (first.node_move_bytes or 0) - move_bytes_before)
+        moves_before, move_bytes_before = first.node_moves or 0, first.node_move_bytes or 0
         for r in trained:
-            seen, t = float(r["tokens_seen"]), int(r["trainer_id"])
-            nodes = tuple(map(int, r["nodes"].split()))
+            seen, t = float(r.tokens_seen), r.trainer_id
+            nodes = tuple(map(int, (r.nodes or "").split()))
             mine = (t, version.get(t, 0))
-            receivers = tuple(n for n in nodes if held.get(n, mine) != mine)  # a node move (cluster.py _jobs)
+            receivers = tuple(n for n in nodes if held.get(n, mine) != mine)  # a node move (RoundDriver.jobs)
             held.update({n: mine for n in nodes})
-            work.trainers.append(TrainerRound(int(r["num_nodes"]), seen - tokens_before.get(r["trainer_id"], 0.0),
+            work.trainers.append(TrainerRound(r.num_nodes, seen - tokens_before.get(t, 0.0),
                                               stats, sync_bytes, **streaming, trainer_id=t, nodes=nodes,
-                                              micro_batch=int(r["loader_batch"] or 1),
-                                              accumulation=int(r["accumulation_steps"] or 1), receivers=receivers))
-            tokens_before[r["trainer_id"]] = seen
+                                              micro_batch=r.loader_batch or 1,
+                                              accumulation=r.accumulation_steps or 1, receivers=receivers))
+            tokens_before[t] = seen
         for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
-            for merged in m["merged"].split():
-                tokens_before[m["survivor"]] = tokens_before.get(m["survivor"], 0.0) + tokens_before.pop(merged, 0.0)
-            survivor = int(m["survivor"])
-            version[survivor] = version.get(survivor, 0) + 1
-            own = [n for t in work.trainers if t.trainer_id == survivor for n in t.nodes]
+            for merged in map(int, m.merged.split()):
+                tokens_before[m.survivor] = tokens_before.get(m.survivor, 0.0) + tokens_before.pop(merged, 0.0)
+            version[m.survivor] = version.get(m.survivor, 0) + 1
+            own = [n for t in work.trainers if t.trainer_id == m.survivor for n in t.nodes]
             if own:  # the merge is computed on the survivor's first node, which so holds the result
-                held[min(own)] = (survivor, version[survivor])
+                held[min(own)] = (m.survivor, version[m.survivor])
         rounds.append(work)
     return rounds, weight_bytes, int(summary.get("bytes_communicated", 0))
 
 
-def _infer_weight_bytes(by_step: dict[int, list[dict[str, str]]]) -> int:
+def _infer_weight_bytes(by_step: dict[int, list[TrainerRow]]) -> int:
     """P from a round with an all-reduce: its allreduce_bytes grew by sum over trainers of 2 (n-1) P."""
     before = 0
     for step in sorted(by_step):
         rows = by_step[step]
-        total = int(rows[0]["allreduce_bytes"] or 0)
-        ring = sum(ring_allreduce_bytes(int(r["num_nodes"]), 1) for r in rows if r["num_nodes"])
+        total = rows[0].allreduce_bytes or 0
+        ring = sum(ring_allreduce_bytes(r.num_nodes, 1) for r in rows if r.num_nodes)
         if step > 0 and ring and total > before:
             return (total - before) // ring
         before = total

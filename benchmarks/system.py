@@ -18,14 +18,15 @@ Each prints a table; --markdown FILE appends them (with date and machine) to FIL
     python -m benchmarks.system --curve FILE [--device cuda] [--preset microllama-mini] [--variants bf16]
                                 [--curve-max-batch N] [--seq-len 256]
 
-measures instead the throughput curve the simulated clock reads (config `throughput: FILE`; README "A
-simulated clock"): tokens/s of one node for micro-batches 1, 2, 4, ... up to the largest that fits (the
+measures instead the throughput curve the simulated clock reads (config `throughput: FILE`;
+docs/clock.md): tokens/s of one node for micro-batches 1, 2, 4, ... up to the largest that fits (the
 memory probe, or --curve-max-batch), each with accumulation 1, 2 and 4, in the first variant's precision.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import platform
@@ -174,7 +175,7 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
                                                                                   TrackerGroup([])))
         cluster = ClusterController(cfg, model, data, logger, Path(tmp) / "w")
         times = {"round": 0.0, "statistics": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0, "total": 0.0}
-        run_round, evaluate = cluster.backend.run_round, cluster.evaluator.evaluate
+        evaluate = cluster.evaluator.evaluate
 
         def timed(key, fn):
             def wrapper(*a, **k):
@@ -185,7 +186,18 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
                     times[key] += time.perf_counter() - t
             return wrapper
 
-        cluster.backend.run_round = timed("round", run_round)
+        window = cluster.driver.round_window  # the controller's seam around a round's node work (and transfers)
+
+        @contextlib.contextmanager
+        def timed_round(step: int):
+            start = time.perf_counter()
+            try:
+                with window(step):
+                    yield
+            finally:
+                times["round"] += time.perf_counter() - start
+
+        cluster.driver.round_window = timed_round
         trainer_statistics = rounds_module.trainer_statistics
         rounds_module.trainer_statistics = timed("statistics", trainer_statistics)
         cluster.evaluator.evaluate = timed("eval", evaluate)
@@ -242,7 +254,28 @@ def write_curve(args, cfg, model, device: str, variant: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def flops_table(inner: dict, model, seq_len: int, device: str, numbers: dict) -> str:
+    """(d): each variant's achieved training FLOP/s against the matmul peak (numbers["inner"] gains them)."""
+    rows = []
+    for v, r in inner.items():
+        name, _ = parse_variant(v)
+        dtype = PRECISIONS[name].autocast_dtype or torch.float32
+        if name == "tf32" and device.startswith("cuda"):
+            build_precision("tf32")
+        peak = matmul_peak(device, dtype)
+        achieved = training_flops(model, r["tokens"], seq_len) / r["engine_s"]
+        sheet = datasheet_peak(device, name)
+        rows.append([v, str(dtype).replace("torch.", ""), peak / 1e9, achieved / 1e9, achieved / peak,
+                     f"{achieved / sheet:.3f}" if sheet else "-"])
+        numbers["inner"][v].update(achieved_flops=achieved, measured_peak_flops=peak,
+                                   mfu_datasheet=achieved / sheet if sheet else None)
+    return table("(d) Achieved training FLOP/s of (a) vs the matmul peak measured in the variant's dtype "
+                     "(and the datasheet's dense peak, where known)",
+                     ["variant", "matmul dtype", "matmul peak GFLOP/s", "engine GFLOP/s", "fraction of measured peak",
+                      "MFU (datasheet)"], rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "config.yaml"))
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
@@ -259,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve", help="measure the throughput curve only and write it to this file")
     ap.add_argument("--curve-max-batch", type=int, default=0,
                     help="--curve: the largest micro-batch (default: the memory probe's, one node per device)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: --device cuda: no CUDA device here")
@@ -315,23 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                  ["measured / expected", memory["measured"] / memory["expected"]]]
         out.append(table(f"(c) Memory of a cluster of {memory['nodes']} nodes ({memory['params'] / 1e6:.2f}M "
                          "parameters)", ["part", "MiB"], rows))
-    rows = []
-    for v, r in inner.items():
-        name, _ = parse_variant(v)
-        dtype = PRECISIONS[name].autocast_dtype or torch.float32
-        if name == "tf32" and device.startswith("cuda"):
-            build_precision("tf32")
-        peak = matmul_peak(device, dtype)
-        achieved = training_flops(model, r["tokens"], cfg.seq_len) / r["engine_s"]
-        sheet = datasheet_peak(device, name)
-        rows.append([v, str(dtype).replace("torch.", ""), peak / 1e9, achieved / 1e9, achieved / peak,
-                     f"{achieved / sheet:.3f}" if sheet else "-"])
-        numbers["inner"][v].update(achieved_flops=achieved, measured_peak_flops=peak,
-                                   mfu_datasheet=achieved / sheet if sheet else None)
-    out.append(table("(d) Achieved training FLOP/s of (a) vs the matmul peak measured in the variant's dtype "
-                     "(and the datasheet's dense peak, where known)",
-                     ["variant", "matmul dtype", "matmul peak GFLOP/s", "engine GFLOP/s", "fraction of measured peak",
-                      "MFU (datasheet)"], rows))
+    out.append(flops_table(inner, model, cfg.seq_len, device, numbers))
     text = "\n".join(out)
     print(text)
     if args.markdown:

@@ -41,24 +41,16 @@ import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.outer_sync import OuterSync
-from algorithms.streaming import StreamingPlan, mix_fragment
-from rounds import (
-    NodeFault,
-    RoundResult,
-    advance,
-    empty_wire,
-    fragment_average,
-    fragment_fault,
-    run_node,
-    send_fragment,
-    token_shares,
-)
+from algorithms.streaming import StreamingPlan
+from distributed.streamed import LEFT, streamed_round
+from rounds import NodeFault, RoundResult, advance, empty_wire, run_node, token_shares
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
-from utils.model_state import float_state
 
 
 class DistributedBackend:
+    """The torchrun backend (distributed/protocol.py): this process runs node `rank`; collectives combine."""
+
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
                  grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
                  master_device: str = "cpu", statistics_wire: torch.dtype = torch.float64,
@@ -81,15 +73,11 @@ class DistributedBackend:
         # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
         # statistics, and trainers brought to rank 0 for checkpoints
         self.sent = {"weights": 0.0, "statistics": 0.0, "checkpoint": 0.0}
-        self.round_comm = self._no_comm()
-
-    @staticmethod
-    def _no_comm() -> dict:
-        return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0}
+        self.round_comm = no_comm()
 
     def take_round_comm(self) -> dict:
         """What the collectives since the last call cost this rank (seconds, bytes sent by kind)."""
-        comm, self.round_comm = self.round_comm, self._no_comm()
+        comm, self.round_comm = self.round_comm, no_comm()
         return comm
 
     # -------------------------------------------------------------------------------------------
@@ -229,69 +217,20 @@ class DistributedBackend:
             shared = self._gather({mine: dataclasses.replace(statistics, mean=torch.empty(0))}
                                   if statistics is not None and self.rank == members[mine][0] else {})
             shared_statistics = {t: s for part in shared for t, s in part.items()}
-        results = {}
-        for t in trainer_ids:
-            if good_facts[t]:
-                results[t] = self._result(t, good_facts[t], node_mean if t == mine else None,
-                                          shared_statistics.get(t), outer_error if t == mine else "")
-        return results, faults
-
-    @staticmethod
-    def _result(t: int, group: list[dict], node_mean, statistics, outer_error: str) -> RoundResult:
-        """A trainer's RoundResult from its good nodes' facts (the same on every rank)."""
-        return RoundResult(
-            node_mean=node_mean, nodes=[f["node_id"] for f in group],
-            train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
-            tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
-            node_step_losses={f["node_id"]: f["losses"] for f in group},
-            learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error)
+        return {t: trainer_result(good_facts[t], node_mean if t == mine else None, shared_statistics.get(t),
+                                  outer_error if t == mine else "") for t in trainer_ids if good_facts[t]}, faults
 
     def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer]):
-        """This rank's node through a Streaming DiLoCo round (algorithms/streaming.py): at each send its fragment
+        """This rank's node through a Streaming DiLoCo round (distributed/streamed.py): at each send its fragment
         wire goes into an asynchronous collective of its trainer's group (all-reduce exact, all-gather
         compressed) and the node trains on; at the landing the rank waits for it, steps its copy of the
         trainer's fragment and mixes it into its node. A node that failed or left the round (a stop) sends
         empty wires until the round ends, so its group's collectives still match; every member steps."""
-        plan, sync, node = self.streaming, self.sync, self.nodes[self.rank]
-        master = trainers[job.trainer_id].master
-        numels = {n: v.numel() for n, v in master.items()}
-        spans, total = plan.offsets(numels), sum(numels.values())
-        round_steps = node.steps(job, plan.pauses)
-        outcome, abandoned, error = None, False, ""
-        in_flight: dict[int, tuple] = {}
-        for step in [*plan.pauses, None]:
-            if outcome is None and not abandoned:
-                try:
-                    out = advance(round_steps, job)
-                except RoundAbandoned:
-                    abandoned, out = True, None
-                if out is not None and not isinstance(out, int):
-                    outcome = out
-            if step is None:
-                break
-            for event in plan.events_at(step):
-                names = plan.fragments[event.fragment]
-                if not event.lands:
-                    if outcome is None and not abandoned:
-                        outcome = fragment_fault(node, job, names)
-                    if outcome is None and not abandoned:
-                        wire = send_fragment(node, master, names, spans[event.fragment], total, sync)
-                    else:
-                        wire = empty_wire(sync, sum(numels[n] for n in names), self.comm_device)
-                    in_flight[event.fragment] = self._start(wire, members)
-                    continue
-                arrived = self._land(*in_flight.pop(event.fragment), members)
-                mean = None if error else fragment_average(sync, master, names, arrived)
-                if mean is None:
-                    continue
-                try:
-                    trainers[job.trainer_id].outer_step(mean)
-                except FloatingPointError as exc:
-                    error = str(exc)
-                    continue
-                if outcome is None and not abandoned:
-                    mix_fragment(float_state(node.model), master, names, plan.alpha)
-        return outcome, abandoned, error
+        ended, errors = streamed_round(self.streaming, self.sync, self.nodes, [job], trainers,
+                                       _Collectives(self, members), _advance_or_leave)
+        outcome = ended.get(self.rank)
+        abandoned = outcome is LEFT
+        return (None if abandoned else outcome), abandoned, errors.get(job.trainer_id, "")
 
     def _start(self, wire: torch.Tensor, members: tuple[int, ...]) -> tuple:
         """Launch a fragment's collective (async_op): the exact wires are summed, the encoded ones gathered."""
@@ -409,6 +348,47 @@ class DistributedBackend:
 
     def close(self) -> None:
         pass
+
+
+def trainer_result(group: list[dict], node_mean, statistics, outer_error: str) -> RoundResult:
+    """A trainer's RoundResult from its good nodes' facts (the same on every rank)."""
+    return RoundResult(
+        node_mean=node_mean, nodes=[f["node_id"] for f in group],
+        train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
+        tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
+        node_step_losses={f["node_id"]: f["losses"] for f in group},
+        learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error)
+
+
+def no_comm() -> dict:
+    return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0}
+
+
+class _Collectives:
+    """A fragment's wires under torchrun: an asynchronous collective of the trainer's group per fragment."""
+
+    def __init__(self, backend: DistributedBackend, members: tuple[int, ...]) -> None:
+        self.backend, self.members = backend, members
+
+    def start(self, trainer_id: int, wires: list[torch.Tensor | None], numel: int) -> tuple:
+        (wire,) = wires  # this rank's node
+        if wire is None:
+            wire = empty_wire(self.backend.sync, numel, self.backend.comm_device)
+        return self.backend._start(wire, self.members)
+
+    def land(self, handle: tuple):
+        return self.backend._land(*handle, self.members)
+
+
+def _advance_or_leave(node_ids: list[int], round_steps: dict, job_of: dict) -> list:
+    """This rank's node to its next pause; a stop request leaves the round (the node then sends empty wires)."""
+    outcomes = []
+    for node_id in node_ids:
+        try:
+            outcomes.append(advance(round_steps[node_id], job_of[node_id]))
+        except RoundAbandoned:
+            outcomes.append(LEFT)
+    return outcomes
 
 
 def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None) -> UserError:

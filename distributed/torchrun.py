@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from utils.config import Config
+from utils.config import PER_MACHINE_KEYS, Config
 from utils.errors import ConfigError, UserError
 
 
@@ -104,8 +104,7 @@ def init(cfg: Config, env: DistEnv) -> None:
 # Keys that may differ between machines: where each keeps its files (whether the data they lead to is the
 # same is checked apart, agree_on_data), and the CPU kernels and threads each machine's CPU offers (each
 # rank logs its own; they change last digits, not decisions, which are taken from all-reduced values).
-PER_MACHINE_KEYS = frozenset({"cache_dir", "c4_local_path", "c4_tokenized_path", "imdb_local_path", "log_dir",
-                              "cpu_capability", "cpu_threads"})
+# (utils/config.py: the fields marked per_machine)
 
 
 def _ranks(ranks: list[int]) -> str:

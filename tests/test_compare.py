@@ -79,6 +79,11 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
         assert heading in report, heading
     for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
         assert (out / f"val_perplexity_vs_{key}.png").is_file()
+    network_model_is_checked(out, table, report, tmp_path, cache_dir)
+
+
+def network_model_is_checked(out, table, report, tmp_path, cache_dir):
+    """The second half of the test above: the network model on the same finished runs."""
     # the network model reads each run's rounds back to exactly its accounting: bytes, tokens, P
     for name in table:
         run_dir = out / "runs" / f"{name}_seed0"
@@ -118,7 +123,6 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     assert {r["network"] for r in fast} == {"datacentre"}
     assert "1e+09 tokens/s per node (given)" in (view / "comparison.md").read_text()
     assert float(next(r for r in fast if r["variant"] == "diloco_b2")["network_share"]) > 0.5  # rounds now dominate
-
 
 def test_a_bad_network_is_refused_before_any_run(tmp_path):
     with pytest.raises(SystemExit, match="--network.*10Gbit"):

@@ -62,8 +62,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path):
 
 
 def test_every_key_is_documented_in_readme_and_config_yaml():
-    readme = (ROOT / "README.md").read_text()
-    assert f"{TABLE_START}\n{markdown_table()}\n{TABLE_END}" in readme, "run: python -m utils.config --update-readme"
+    readme = (ROOT / "docs" / "configuration.md").read_text()  # the table's page (moved from the README)
+    assert f"{TABLE_START}\n{markdown_table()}\n{TABLE_END}" in readme, "run: python -m utils.config --update-docs"
     config_yaml = (ROOT / "config.yaml").read_text()
     for line in markdown_table().splitlines()[2:]:
         key = line.split("`")[1]
@@ -100,7 +100,7 @@ def test_readme_quotes_config_yaml_values_truly():
 
     import yaml
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "configuration.md").read_text()  # the table's page (moved from the README)
     values = yaml.safe_load((ROOT / "config.yaml").read_text())
     sentence = readme[readme.index("`config.yaml` sets"):].split(")")[0]
     quoted = re.findall(r"`(\w+): ([^`]+)`", sentence)
@@ -191,3 +191,58 @@ def test_openmp_spinning_is_limited_only_before_torch_loads_and_when_the_user_ch
     assert spin(GOMP_SPINCOUNT="5") == "5"
     assert spin(OMP_WAIT_POLICY="PASSIVE") == "None"
     assert spin(before="import torch; ") == "None"
+
+
+FIRST_RELEASE = ROOT / "tests" / "fixtures" / "first_release_config.yaml"
+FIRST_RELEASE_HASH = "ea1ae77b7380180f"  # its config hash when it was committed
+LEGACY_HASH = "cab2a4860df0a6c4"  # what versions before 2026-11-24 wrote (node_schedule counted at its default)
+
+
+def test_a_run_from_the_first_checkpoint_format_stays_resumable():
+    """A key that changes the numbers and is not marked added_later (or resume) enters the config hash of every
+    older run with its default, so their checkpoints stop being resumable: this hash would change."""
+    assert load_config(FIRST_RELEASE).meaning_hash() == FIRST_RELEASE_HASH
+    # the checkpoints those versions wrote are still taken
+    assert load_config(FIRST_RELEASE).meaning_hashes() == (FIRST_RELEASE_HASH, LEGACY_HASH)
+
+
+def test_the_first_release_hash_catches_a_new_key_without_its_marks():
+    import dataclasses
+
+    from utils.config import _f
+
+    def later(**marks):
+        cls = dataclasses.make_dataclass("Later", [("new_knob", float, _f(1.0, "a new key", **marks))], bases=(Config,))
+        return load_config(FIRST_RELEASE, schema=cls).meaning_hash()
+
+    assert later() != FIRST_RELEASE_HASH  # the trap: unmarked, it changes every older run's hash
+    assert later(added_later=True) == FIRST_RELEASE_HASH  # at its default, it leaves them resumable
+    assert later(resume=True) == FIRST_RELEASE_HASH
+
+
+def test_what_a_key_is_is_read_off_its_field():
+    import dataclasses
+
+    from utils import config
+
+    fields = {f.name: f.metadata for f in dataclasses.fields(Config)}
+    assert config.RESUME_MAY_CHANGE == {k for k, m in fields.items() if m["resume"]}
+    assert {"num_outer_steps", "max_tokens", "target_metric"} <= config.RESUME_MAY_CHANGE
+    assert "lr_outer" not in config.RESUME_MAY_CHANGE and "sync_fragments" in config.ADDED_LATER
+    assert config.PER_MACHINE_KEYS >= {"cache_dir", "cpu_threads"} and config.WHERE_KEYS == {"log_dir", "cache_dir",
+                                                                                              "run_name"}
+    assert config.CLUSTER_KEYS[0] == "devices" and "node_schedule" in config.CLUSTER_KEYS
+    # each section's cross-key check is named after a section the fields declare
+    assert set(config.SECTION_CHECKS) <= {m["section"] for m in fields.values()}
+
+
+def test_every_compressor_is_a_choice_of_outer_compression():
+    """Adding an outer-sync scheme: its class in algorithms/compression.py (COMPRESSORS) and its name among
+    outer_compression's choices (utils/config.py stays free of torch, so the choices are written out there)."""
+    import dataclasses
+
+    from algorithms.compression import COMPRESSORS
+
+    choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(Config)}
+    assert set(choices["outer_compression"]) == set(COMPRESSORS)
+    assert set(choices["merge_compression"]) <= set(COMPRESSORS)

@@ -4,8 +4,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("algorithms", "utils", "fabrics", "distributed", "training_logs", "gradient_analysis", "c4", "benchmarks")
-TOP = ("cluster", "trainers", "rounds", "run")
+PACKAGES = ("algorithms", "utils", "fabrics", "distributed", "controller", "training_logs", "gradient_analysis", "c4",
+            "benchmarks")
+TOP = ("cluster", "trainers", "rounds", "run", "lifecycle")
 # algorithms/ and utils/ are the floors: they never import the floors above them
 LOWER = {"algorithms": ("algorithms",), "utils": ("utils", "algorithms")}
 
@@ -64,3 +65,16 @@ def test_no_import_circles():
 def test_the_graph_is_read():  # the checks above look at real imports, not an empty graph
     graph = _graph()
     assert "rounds" in graph["distributed.backend"] and "utils.model_state" in graph["utils.checkpoint"]
+
+
+def test_the_cluster_parts_sit_below_the_controller_and_the_backends_below_them():
+    """controller/ (the cluster's parts) never imports cluster.py, run.py or lifecycle.py; distributed/ (the
+    backends) never imports controller/ or cluster.py: a backend executes, it does not decide."""
+    above = {"controller": ("cluster", "run", "lifecycle"),
+             "distributed": ("controller", "cluster", "run", "lifecycle")}
+    wrong = [f"{module} imports {target}" for module, targets in _graph().items()
+             for folder, forbidden in above.items() if module.startswith(folder + ".")
+             for target in targets if target.split(".")[0] in forbidden]
+    assert not wrong, wrong
+    graph = _graph()
+    assert "controller.round_driver" in graph["cluster"] and "distributed.protocol" in graph["controller.build"]

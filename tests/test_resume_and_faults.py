@@ -237,14 +237,14 @@ def test_a_streaming_run_stopped_with_a_fragment_in_flight_resumes_bit_exactly(t
     send of outer step 3, the nodes as threads) and a real SIGTERM at an arbitrary point both roll the round
     back and checkpoint the state after the last complete step, the nodes' weights included; both resumed
     runs equal the uninterrupted one bit for bit."""
-    import cluster
+    import distributed.streamed as streamed
     from utils.errors import RunStopped
     from utils.signals import StopSignals
 
     full, _ = train(load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "a", "run_name=full",
                                                                  f"num_outer_steps={STEPS}", *STREAMED)))
     stop, sends = StopSignals(), {"n": 0}
-    real_send = cluster.send_fragment
+    real_send = streamed.send_fragment
 
     def send(node, *args):
         sends["n"] += 1
@@ -255,7 +255,7 @@ def test_a_streaming_run_stopped_with_a_fragment_in_flight_resumes_bit_exactly(t
             stop.event.set()  # what the signal handler does
         return real_send(node, *args)
 
-    monkeypatch.setattr(cluster, "send_fragment", send)
+    monkeypatch.setattr(streamed, "send_fragment", send)
     cfg = load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path / "b", "run_name=flight",
                                                       "node_execution=threads", f"num_outer_steps={STEPS}",
                                                       *STREAMED))
@@ -704,3 +704,16 @@ def test_resuming_a_run_of_an_older_version_keeps_its_log_rows(tiny_config):
     assert [r["outer_step"] for r in now] == [r["outer_step"] for r in old] + ["3"] * (len(now) - len(old))
     assert all(now[i][k] == v for i, r in enumerate(old) for k, v in r.items())
     assert not [line for line in (run_dir / "training_log.log").read_text().splitlines() if "resume: " in line]
+
+
+def test_a_checkpoint_with_the_hash_older_versions_wrote_is_still_resumable(tmp_path):
+    """Versions before 2026-11-24 counted node_schedule at its default in the config hash; their checkpoints
+    carry that hash, which Config.meaning_hashes still accepts (new checkpoints carry today's)."""
+    from utils.config import Config
+
+    today, legacy = Config().meaning_hashes()
+    assert today != legacy
+    save_checkpoint(tmp_path, "outer_step_0001", 1, {0: FakeTrainer(1.0)}, {"step": 1}, legacy)
+    assert latest_checkpoint(tmp_path, (today, legacy)).outer_step == 1
+    with pytest.raises(UserError, match=f"belongs to another configuration .*this run's is {today}"):
+        latest_checkpoint(tmp_path, today)

@@ -13,6 +13,7 @@ merged model (merge_events.csv's metric_after), as metrics.jsonl and the tracker
 from __future__ import annotations
 
 import csv
+import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -91,101 +92,130 @@ def _save(ax, path: Path, merges: list[float], xlabel: str, ylabel: str, title: 
     return path
 
 
+@dataclasses.dataclass
+class _Run:
+    """What every figure of plot_training reads: a run's rows, its merges and its best model alive per step."""
+    rows: list[dict[str, str]]
+    merge_rows: list[dict[str, str]]
+    metric: str
+    higher_is_better: bool
+    out_dir: Path
+
+    def __post_init__(self) -> None:
+        self.merge_steps = [int(m["outer_step"]) for m in self.merge_rows]
+        self.per_trainer: dict[str, list[dict[str, str]]] = {}
+        for r in self.rows:
+            self.per_trainer.setdefault(r["trainer_id"], []).append(r)
+        self.label = self.metric.removeprefix("val_")
+        self.values = [float(r[self.metric]) for r in self.rows]
+        self.log_y = self.metric == "val_perplexity"
+        # the best model alive after every step: what a user would keep at that point (the cluster's model)
+        self.best = best_alive(self.rows, self.merge_rows, self.metric, self.higher_is_better)
+        self.steps = sorted(self.best)
+
+
 def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str = "val_perplexity",
                   higher_is_better: bool = False) -> list[Path]:
-    rows = [r for r in _read(csv_path) if r.get(metric)]
-    merge_rows = _read(merge_path)
-    merge_steps = [int(m["outer_step"]) for m in merge_rows]
-    per_trainer: dict[str, list[dict[str, str]]] = {}
-    for r in rows:
-        per_trainer.setdefault(r["trainer_id"], []).append(r)
-    label = metric.removeprefix("val_")
-    values = [float(r[metric]) for r in rows]
-    log_y = metric == "val_perplexity"
-    outputs = []
+    run = _Run([r for r in _read(csv_path) if r.get(metric)], _read(merge_path), metric, higher_is_better, out_dir)
+    outputs = [*_plot_metric_per_trainer(run), _plot_communication(run), *_plot_sim_time(run), *_plot_batches(run),
+               *_plot_node_assignment(run)]
+    return outputs
 
-    # the best model alive after every step: what a user would keep at that point (the cluster's model)
-    best = best_alive(rows, merge_rows, metric, higher_is_better)
-    steps = sorted(best)
 
-    # each trainer against outer steps, and against the tokens it has trained on itself
+def _plot_metric_per_trainer(run: _Run) -> list[Path]:
+    """Each trainer against outer steps, and against the tokens it has trained on itself."""
+    metric, rows, best, steps, outputs = run.metric, run.rows, run.best, run.steps, []
     for x_key, x_label, name in (("outer_step", "outer step", f"{metric}_per_trainer.png"),
                                  ("tokens_seen", "tokens seen by the trainer (its merged members' included)",
                                   f"{metric}_vs_tokens.png")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for t, rs in per_trainer.items():
+        for t, rs in run.per_trainer.items():
             ax.plot([float(r[x_key] or 0) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3, lw=1,
                     alpha=0.7, label=f"trainer {t}")
         marks: list[float] = []
         if x_key == "outer_step":
             ax.plot(steps, [best[s][1] for s in steps], color="black", lw=2, label="best model alive")
             _integer_steps(ax)
-            marks = merge_steps
+            marks = run.merge_steps
         else:  # a merge happens at a different token count for each trainer: the merged model is marked at
             # its members' tokens together (where the survivor's curve goes on from)
             tokens = {(r["outer_step"], r["trainer_id"]): float(r["tokens_seen"] or 0) for r in rows}
             merged = [(sum(tokens.get((m["outer_step"], t), 0.0) for t in (m["survivor"], *m["merged"].split())),
-                       float(m["metric_after"])) for m in merge_rows if m.get("metric_after")]
+                       float(m["metric_after"])) for m in run.merge_rows if m.get("metric_after")]
             if merged:
                 ax.scatter(*zip(*merged), marker="x", s=60, color="black", zorder=3, label="merged model")
-        if log_y:
-            readable_y(ax, values)
-        title = f"Validation {label}" + (" per trainer" if x_key == "outer_step" else ": each trainer's own tokens")
-        outputs.append(_save(ax, out_dir / name, marks, x_label, label, title))
+        if run.log_y:
+            readable_y(ax, run.values)
+        title = f"Validation {run.label}" + (" per trainer" if x_key == "outer_step" else ": each trainer's own tokens")
+        outputs.append(_save(ax, run.out_dir / name, marks, x_label, run.label, title))
+    return outputs
 
-    # the cluster's model against what the cluster spent on communication (#7's counters)
+
+def _plot_communication(run: _Run) -> Path:
+    """The cluster's model against what the cluster spent on communication (#7's counters)."""
+    best, steps = run.best, run.steps
     counters = [("rounds", "rounds (outer steps)", 1.0), ("syncs", "syncs (cross-node all-reduces + merges)", 1.0),
                 ("bytes_communicated", "MB communicated", 1e6)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
     for ax, (key, x_label, scale) in zip(axes, counters):
         xs = [float(best[s][0].get(key) or 0) / scale for s in steps]
         ax.plot(xs, [best[s][1] for s in steps], color="black", lw=2, marker="o", ms=3)
-        for step in merge_steps:
+        for step in run.merge_steps:
             if step in best:
                 ax.axvline(float(best[step][0].get(key) or 0) / scale, color="grey", ls=":", lw=1)
         ax.set(xlabel=x_label)
         ax.grid(alpha=0.3)
-        if log_y:
-            readable_y(ax, values)
-    axes[0].set_ylabel(f"{label} of the best model alive")
-    fig.suptitle(f"Validation {label} against communication" + (" (dotted: merges)" if merge_steps else ""))
+        if run.log_y:
+            readable_y(ax, run.values)
+    axes[0].set_ylabel(f"{run.label} of the best model alive")
+    fig.suptitle(f"Validation {run.label} against communication" + (" (dotted: merges)" if run.merge_steps else ""))
     fig.tight_layout()
-    fig.savefig(out_dir / f"{metric}_vs_communication.png", dpi=120)
+    path = run.out_dir / f"{run.metric}_vs_communication.png"
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    outputs.append(out_dir / f"{metric}_vs_communication.png")
+    return path
 
-    # the simulated clock (README "A simulated clock"): each trainer on its own time, and the cluster's utilisation
-    timed = [r for r in rows if r.get("sim_time_s")]
-    if timed:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-        for t, rs in per_trainer.items():
-            rs = [r for r in rs if r.get("sim_time_s")]
-            axes[0].plot([float(r["sim_time_s"]) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3,
-                         lw=1, alpha=0.7, label=f"trainer {t}")
-        merges = [m for m in merge_rows if m.get("sim_time_s")]
-        if merges:
-            axes[0].scatter([float(m["sim_time_s"]) for m in merges], [float(m["metric_after"]) for m in merges],
-                            marker="x", s=60, color="black", zorder=3, label="merged model")
-        if log_y:
-            readable_y(axes[0], values)
-        axes[0].set(xlabel="simulated time (s)", ylabel=label, title=f"Validation {label} on the simulated clock")
-        axes[0].legend(fontsize=7)
-        cluster: dict[int, tuple[float, float]] = {}  # step -> (its last trainer's end, utilisation after it)
-        for r in timed:
-            step = int(r["outer_step"])
-            cluster[step] = (max(cluster.get(step, (0.0, 0.0))[0], float(r["sim_time_s"])), float(r["utilisation"]))
-        axes[1].plot([cluster[k][0] for k in sorted(cluster)], [cluster[k][1] for k in sorted(cluster)], color="black")
-        axes[1].set(xlabel="simulated time (s)", ylabel="busy / available node-seconds", ylim=(0, 1.05),
-                    title="Cluster utilisation so far")
-        for ax in axes:
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{metric}_vs_sim_time.png", dpi=120)
-        plt.close(fig)
-        outputs.append(out_dir / f"{metric}_vs_sim_time.png")
 
+def _plot_sim_time(run: _Run) -> list[Path]:
+    """The simulated clock (docs/clock.md): each trainer on its own time, the cluster's utilisation."""
+    metric, label = run.metric, run.label
+    timed = [r for r in run.rows if r.get("sim_time_s")]
+    if not timed:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for t, rs in run.per_trainer.items():
+        rs = [r for r in rs if r.get("sim_time_s")]
+        axes[0].plot([float(r["sim_time_s"]) for r in rs], [float(r[metric]) for r in rs], marker="o", ms=3,
+                     lw=1, alpha=0.7, label=f"trainer {t}")
+    merges = [m for m in run.merge_rows if m.get("sim_time_s")]
+    if merges:
+        axes[0].scatter([float(m["sim_time_s"]) for m in merges], [float(m["metric_after"]) for m in merges],
+                        marker="x", s=60, color="black", zorder=3, label="merged model")
+    if run.log_y:
+        readable_y(axes[0], run.values)
+    axes[0].set(xlabel="simulated time (s)", ylabel=label, title=f"Validation {label} on the simulated clock")
+    axes[0].legend(fontsize=7)
+    cluster: dict[int, tuple[float, float]] = {}  # step -> (its last trainer's end, utilisation after it)
+    for r in timed:
+        step = int(r["outer_step"])
+        cluster[step] = (max(cluster.get(step, (0.0, 0.0))[0], float(r["sim_time_s"])), float(r["utilisation"]))
+    axes[1].plot([cluster[k][0] for k in sorted(cluster)], [cluster[k][1] for k in sorted(cluster)], color="black")
+    axes[1].set(xlabel="simulated time (s)", ylabel="busy / available node-seconds", ylim=(0, 1.05),
+                title="Cluster utilisation so far")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = run.out_dir / f"{metric}_vs_sim_time.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
+def _plot_batches(run: _Run) -> list[Path]:
+    """Requested batch per trainer, and trainers alive."""
     # equal batches would hide each other: each trainer's line is shifted a little and has its own marker
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    per_trainer = run.per_trainer
     for i, (t, rs) in enumerate(per_trainer.items()):
         rs = [r for r in rs if r["requested_batch"]]
         shift = offset_copy(ax.transData, fig=fig, y=1.5 * (i - (len(per_trainer) - 1) / 2), units="points")
@@ -194,37 +224,39 @@ def plot_training(csv_path: Path, merge_path: Path, out_dir: Path, metric: str =
         ax.update_datalim(list(zip(xs, ys)))  # a shifted transform is not autoscaled by itself
     ax.autoscale_view()
     _integer_steps(ax)
-    outputs.append(_save(ax, out_dir / "requested_batch_per_trainer.png", merge_steps, "outer step",
-                         "sequences (lines shifted apart slightly)", "Requested batch per trainer"))
-
+    outputs = [_save(ax, run.out_dir / "requested_batch_per_trainer.png", run.merge_steps, "outer step",
+                     "sequences (lines shifted apart slightly)", "Requested batch per trainer")]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    alive = {int(r["outer_step"]): int(r["trainers_alive"]) for r in rows if r.get("trainers_alive")}
+    alive = {int(r["outer_step"]): int(r["trainers_alive"]) for r in run.rows if r.get("trainers_alive")}
     ax.step(list(alive), list(alive.values()), where="post")
     _integer_steps(ax)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    outputs.append(_save(ax, out_dir / "trainers_alive.png", merge_steps, "outer step", "trainers",
+    outputs.append(_save(ax, run.out_dir / "trainers_alive.png", run.merge_steps, "outer step", "trainers",
                          "Trainers alive after each outer step"))
-
-    # node assignment: which trainer each node served in each round
-    assigned = [(int(r["outer_step"]), int(n), int(r["trainer_id"])) for r in rows if r.get("nodes")
-                for n in r["nodes"].split()]
-    if assigned:
-        steps = sorted({s for s, _, _ in assigned})
-        nodes = sorted({n for _, n, _ in assigned})
-        trainers = sorted({t for _, _, t in assigned})
-        grid = [[float("nan")] * len(steps) for _ in nodes]
-        for s, n, t in assigned:
-            grid[nodes.index(n)][steps.index(s)] = trainers.index(t)
-        fig, ax = plt.subplots(figsize=(7, 1.2 + 0.4 * len(nodes)))
-        cmap = ListedColormap(plt.cm.tab10.colors[: len(trainers)])
-        image = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(trainers) - 0.5,
-                          extent=(steps[0] - 0.5, steps[-1] + 0.5, nodes[-1] + 0.5, nodes[0] - 0.5))
-        bar = fig.colorbar(image, ax=ax, ticks=range(len(trainers)))
-        bar.ax.set_yticklabels([f"trainer {t}" for t in trainers])
-        ax.set_yticks(nodes)
-        _integer_steps(ax)
-        outputs.append(_save(ax, out_dir / "node_assignment.png", [], "outer step", "node", "Node assignment"))
     return outputs
+
+
+def _plot_node_assignment(run: _Run) -> list[Path]:
+    """Which trainer each node served in each round."""
+    assigned = [(int(r["outer_step"]), int(n), int(r["trainer_id"])) for r in run.rows if r.get("nodes")
+                for n in r["nodes"].split()]
+    if not assigned:
+        return []
+    steps = sorted({s for s, _, _ in assigned})
+    nodes = sorted({n for _, n, _ in assigned})
+    trainers = sorted({t for _, _, t in assigned})
+    grid = [[float("nan")] * len(steps) for _ in nodes]
+    for s, n, t in assigned:
+        grid[nodes.index(n)][steps.index(s)] = trainers.index(t)
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.4 * len(nodes)))
+    cmap = ListedColormap(plt.cm.tab10.colors[: len(trainers)])
+    image = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=-0.5, vmax=len(trainers) - 0.5,
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, nodes[-1] + 0.5, nodes[0] - 0.5))
+    bar = fig.colorbar(image, ax=ax, ticks=range(len(trainers)))
+    bar.ax.set_yticklabels([f"trainer {t}" for t in trainers])
+    ax.set_yticks(nodes)
+    _integer_steps(ax)
+    return [_save(ax, run.out_dir / "node_assignment.png", [], "outer step", "node", "Node assignment")]
 
 
 def plot_step_loss(step_csv: Path, merge_path: Path, out_path: Path) -> Path | None:

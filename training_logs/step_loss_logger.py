@@ -10,8 +10,9 @@ import csv
 import threading
 from pathlib import Path
 
-COLUMNS = ["outer_step", "trainer_id", "node_id", "inner_step", "loss", "micro_batch", "accumulation_steps",
-           "learning_rate"]
+from training_logs.records import StepLoss, columns
+
+COLUMNS = columns(StepLoss)
 
 
 class StepLossLogger:

@@ -19,24 +19,16 @@ from algorithms.traffic import Traffic
 from training_logs.csv_files import start_csv
 from training_logs.memory_monitor import MemoryMonitor
 from training_logs.plots import models_alive, plot_step_loss, plot_training
+from training_logs.records import FaultEvent, MergeEvent, NodeTime, TrainerRow, columns
 from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
 log = logging.getLogger(__name__)
-COLUMNS = ["outer_step", "trainer_id", "nodes", "num_nodes", "requested_batch", "loader_batch",
-           "accumulation_steps", "optimizer_steps", "tokens_seen", "global_tokens", "train_loss", "val_perplexity",
-           "val_accuracy", "val_loss", "next_requested_batch",
-           "test_requested_batch", "T_k", "variance", "sum_sq_diffs", "inner_variance",
-           "ortho_variance", "T_ip", "T_ortho", "grad_sq_norm", "rounds", "syncs", "bytes_communicated",
-           "allreduce_bytes", "merge_bytes", "node_move_bytes", "node_moves", "statistics_bytes", "wall_time",
-           "trainers_alive", "sim_time_s", "sim_compute_s", "sim_idle_s", "utilisation", "goodput_tokens_per_s"]
-# metric_before: each member's metric (survivor first) right before the merge; metric_after: the merged model's
-MERGE_COLUMNS = ["outer_step", "survivor", "merged", "weights", "requested_batches", "bytes", "metric",
-                 "metric_before", "metric_weighted_before", "metric_after", "sim_time_s"]
-# the simulated clock's view of each node's round (algorithms/clock.py): seconds from the run's start
-NODE_COLUMNS = ["outer_step", "node_id", "trainer_id", "speed", "slowdown", "inner_steps", "micro_batch",
-                "accumulation_steps", "tokens", "start_s", "compute_s", "idle_s", "end_s"]
-FAULT_COLUMNS = ["outer_step", "trainer_id", "node_id", "kind", "action", "message"]
+# the files' columns: the fields of their records (training_logs/records.py)
+COLUMNS = columns(TrainerRow)
+MERGE_COLUMNS = columns(MergeEvent)
+NODE_COLUMNS = columns(NodeTime)
+FAULT_COLUMNS = columns(FaultEvent)
 TRAFFIC = tuple(Traffic().row())  # the traffic counters (algorithms/traffic.py), all in COLUMNS
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
            "accumulation_steps", "num_nodes", "tokens_seen", "sim_time_s", "sim_idle_s")
@@ -63,8 +55,8 @@ class TrainingLogger:
         self.fault_path = report_dir / "fault_events.csv"
         self.node_path = report_dir / "node_clock.csv"
         self._lock = threading.Lock()
-        for path, columns in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
-            problem = start_csv(path, columns, resume_step)
+        for path, header in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
+            problem = start_csv(path, header, resume_step)
             if problem is None and path == self.csv_path and resume_step:
                 steps = {row["outer_step"] for row in csv.DictReader(path.open(newline=""))}
                 missing = [k for k in range(1, resume_step + 1) if str(k) not in steps]

@@ -166,7 +166,7 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
 
 
 def expected_checkpoint_bytes(params: int, trainers: int, nodes: int, outer_momentum: bool, final: bool = False) -> int:
-    """The tensor bytes of one checkpoint (README: "What a checkpoint holds"): per trainer its fp32 masters
+    """The tensor bytes of one checkpoint (docs/running.md: "What a checkpoint holds"): per trainer its fp32 masters
     (4P) and, with outer momentum, its momentum buffer (4P); per node its AdamW moments (8P); final adds the
     chosen model as a Hugging Face directory (4P). Headers, RNG states and counters add a few KB."""
     units = trainers * (2 if outer_momentum else 1) + 2 * nodes + (1 if final else 0)
@@ -220,8 +220,9 @@ def check_files(root: Path, files: dict[str, dict], deep: bool) -> None:
             raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
 
 
-def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Checkpoint:
-    """The checkpoint at `path` if it is complete and its files are intact; a UserError saying what is wrong."""
+def verify(path: Path, config_hash: str | tuple[str, ...] | None = None, deep: bool = True) -> Checkpoint:
+    """The checkpoint at `path` if it is complete and its files are intact; a UserError saying what is wrong.
+    config_hash: the config hash it must carry (or any of several: Config.meaning_hashes)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise UserError(f"checkpoint: {path} is incomplete (no {MANIFEST}; its write was interrupted)")
@@ -233,9 +234,10 @@ def verify(path: Path, config_hash: str | None = None, deep: bool = True) -> Che
         raise UserError(f"checkpoint: {manifest_path} is damaged (not a checkpoint manifest)") from None
     if manifest.get("format") != FORMAT or not manifest.get("resumable"):
         raise UserError(f"checkpoint: {path} was written by another version or holds no resume state")
-    if config_hash is not None and manifest.get("config_hash") != config_hash:
+    hashes = (config_hash,) if isinstance(config_hash, str) else config_hash
+    if hashes is not None and manifest.get("config_hash") not in hashes:
         raise UserError(f"checkpoint: {path} belongs to another configuration (config hash "
-                        f"{manifest.get('config_hash')}, this run's is {config_hash})")
+                        f"{manifest.get('config_hash')}, this run's is {hashes[0]})")
     check_files(path, files, deep)
     return Checkpoint(path, outer_step, manifest)
 
@@ -264,7 +266,7 @@ def verify_part(path: Path) -> Path | None:
     return root
 
 
-def latest_checkpoint(weights_dir: Path, config_hash: str) -> Checkpoint:
+def latest_checkpoint(weights_dir: Path, config_hash: str | tuple[str, ...]) -> Checkpoint:
     """The newest complete checkpoint; damaged newer ones are reported and skipped."""
     candidates = []
     for path in weights_dir.iterdir() if weights_dir.is_dir() else []:

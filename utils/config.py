@@ -2,7 +2,8 @@
 
 Key names follow the authors' repository (num_outer_steps, lr_inner, ETA, vartheta, ...), so their
 users feel at home. Precedence: command-line `key=value` overrides > YAML file > defaults here.
-Every field carries a `doc` (printed by `python -m utils.config --markdown`, used for the README).
+Every field carries a `doc` and marks saying what the key is (see `_f`); `python -m utils.config --markdown` prints
+the table of docs/configuration.md, `--update-docs` rewrites it there.
 """
 
 from __future__ import annotations
@@ -27,9 +28,27 @@ from utils.errors import ConfigError, UserError
 ADAPTIVE_TESTS = ("norm_test", "augmented_inner_product_test")
 
 
-def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, **bounds: float) -> Any:
-    """A dataclass field with documentation, optional choices and numeric bounds (min / max)."""
-    meta = {"doc": doc, "choices": choices, **bounds}
+_SECTION = ["run and logs"]
+
+
+def section(name: str) -> None:
+    """In a config class body: the fields declared after this call belong to section `name`."""
+    _SECTION[0] = name
+
+
+def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, *, resume: bool = False,
+       added_later: bool = False, per_machine: bool = False, cluster: bool = False, where: bool = False,
+       **bounds: float) -> Any:
+    """A dataclass field with documentation, optional choices, numeric bounds (min / max) and what the key is:
+    resume: a resumed run may change it (it does not change what is computed, only how long the run goes, what
+        is recorded and how faults are handled); everything else is fixed by the checkpoint (`meaning`);
+    added_later: it changes the numbers but came after the first checkpoint format; at its default it does what
+        the versions before it did, so it leaves the config hash (and --resume of older runs) unchanged;
+    per_machine: under torchrun it may differ between machines (where files are; the CPU's kernels and threads);
+    cluster: it describes the cluster (benchmarks.compare --cluster FILE takes it);
+    where: it only says where files go, so the harness reuses a finished run across it."""
+    meta = {"doc": doc, "choices": choices, "section": _SECTION[0], "resume": resume, "added_later": added_later,
+            "per_machine": per_machine, "cluster": cluster, "where": where, **bounds}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: _copy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -46,6 +65,7 @@ def _copy(value: Any) -> Any:
 
 @dataclass
 class ModelConfig:
+    section("model")
     name: str = _f("microllama-tiny", "Model preset (microllama-tiny, microllama-mini, microllama-300m, bert-tiny), "
                    "a local model directory, or a Hugging Face id such as keeeeenw/MicroLlama.")
     pretrained: bool = _f(False, "Load pretrained weights (local directory or HF cache, offline-safe) "
@@ -54,6 +74,7 @@ class ModelConfig:
 
 @dataclass
 class DeviceSpec:
+    section("cluster")
     device: str = _f("cpu", "cpu, cuda or cuda:N.")
     speed: float = _f(1.0, "How fast this device's nodes compute, relative to the throughput curve (0.25 = four "
                       "times slower); only the simulated clock reads it (and inner_steps_by_speed).")
@@ -63,21 +84,22 @@ class DeviceSpec:
 
 @dataclass
 class Config:
-    # --- run and logs ---
-    project_name: str = _f("Multi instance training", "Project name for experiment trackers.")
-    task_name: str = _f("AdLoCo", "Task (run) name for experiment trackers.")
+    section("run and logs")
+    project_name: str = _f("Multi instance training", "Project name for experiment trackers.", resume=True)
+    task_name: str = _f("AdLoCo", "Task (run) name for experiment trackers.", resume=True)
     training_seed: int = _f(42, "Seed of every random choice: model init, data order, shards.", min=0)
-    log_dir: str = _f("logs", "Root directory of run directories.")
-    log_file: str = _f("training_log.log", "Name of the text log inside the run directory.")
-    run_name: str = _f("", "Run directory name; empty = <model>_<dataset>_<YYYY_MM_DD_HH_MM_SS>.")
-    # --- cluster ---
+    log_dir: str = _f("logs", "Root directory of run directories.", resume=True, per_machine=True, where=True)
+    log_file: str = _f("training_log.log", "Name of the text log inside the run directory.", resume=True)
+    run_name: str = _f("", "Run directory name; empty = <model>_<dataset>_<YYYY_MM_DD_HH_MM_SS>.",
+                       resume=True, where=True)
+    section("cluster")
     devices: list[str | DeviceSpec] = _f(["cpu", "cpu"], "Simulated devices, each hosting nodes_per_gpu nodes: "
                                          "cpu, cuda, cuda:0, ..., or {device: cpu, speed: 0.25, memory_mb: 80} "
-                                         "(README \"A simulated clock\").")
-    nodes_per_gpu: int = _f(2, "Nodes (training streams) per simulated device.", min=1)
+                                         "(docs/clock.md).", cluster=True)
+    nodes_per_gpu: int = _f(2, "Nodes (training streams) per simulated device.", min=1, cluster=True)
     node_execution: str = _f("auto", "How the nodes of a round run: threads (concurrent, as in the paper), "
                              "sequential, or auto (threads only when nodes sit on distinct CUDA devices). "
-                             "Results do not depend on it.", choices=("auto", "threads", "sequential"))
+                             "Results do not depend on it.", choices=("auto", "threads", "sequential"), resume=True)
     precision: str = _f("fp32", "Precision of the nodes' forward/backward passes and of evaluation: fp32, tf32 "
                         "(CUDA TensorFloat-32 matmuls), bf16 (autocast; CUDA or CPU) or fp16 (autocast with a "
                         "per-node loss scaler, as the paper). Weights, masters and the outer step stay fp32.",
@@ -89,9 +111,9 @@ class Config:
     cpu_capability: str = _f("auto", "CPU kernels torch uses (ATEN_CPU_CAPABILITY): auto (the best this CPU has; "
                              "config.yaml records which), or default, avx2, avx512. The last digits of a run depend on "
                              "it; the README's numbers were made with avx2.",
-                             choices=("auto", "default", "avx2", "avx512"))
+                             choices=("auto", "default", "avx2", "avx512"), resume=True, per_machine=True)
     cpu_threads: int = _f(0, "torch's intra-op threads on CPU (torch.set_num_threads); 0 = torch's default (one per "
-                          "core). Recorded in the run log and summary.json.", min=0)
+                          "core). Recorded in the run log and summary.json.", min=0, resume=True, per_machine=True)
     compile: bool = _f(False, "torch.compile each node's model replica once (the first steps of a run, and of "
                        "each new batch shape, pay the compile time; needs sequential nodes in one process).")
     log_batch_statistics: bool = _f(True, "With a batch schedule that ignores them (constant, linear_rampup): still "
@@ -101,9 +123,10 @@ class Config:
                                    "(safety margin of the max-batch probe).", min=0.05, max=1.0)
     device_memory_mb: float = _f(0.0, "Memory of one simulated CPU device in MiB for the max-batch probe "
                                  "(0 = half the memory available at start, shared by the CPU devices, at most "
-                                 "1024 MiB each). Ignored on CUDA, where the real free memory is used.", min=0.0)
+                                 "1024 MiB each). Ignored on CUDA, where the real free memory is used.",
+                                 min=0.0, cluster=True)
     max_batch_size: int = _f(0, "Largest micro-batch per node; 0 = find it with the memory probe.", min=0)
-    # --- data ---
+    section("data")
     dataset: str = _f("embedded", "Training data. embedded = English text shipped in the exllamav2 wheel (no Hub "
                       "needed); c4 = C4 (Hub, local shards or tokenized); imdb = IMDB sentiment (for bert).",
                       choices=("embedded", "c4", "imdb"))
@@ -115,28 +138,31 @@ class Config:
     tokenizer: str = _f("auto", "auto = MicroLlama's tokenizer if available locally, else a BPE trained on "
                         "the training split; bpe = always train; or a local directory / HF id.")
     tokenizer_vocab_size: int = _f(4096, "Vocabulary size of the trained BPE tokenizer.", min=300)
-    cache_dir: str = _f("~/.cache/adloco", "Cache for the downloaded wheel, tokenizers and tokenized data.")
+    cache_dir: str = _f("~/.cache/adloco", "Cache for the downloaded wheel, tokenizers and tokenized data.",
+                        resume=True, per_machine=True, where=True)
     hub_downloads: bool = _f(False, "Allow downloads from the Hugging Face Hub (models, tokenizers). false = local "
-                             "directories and the HF cache only (local_files_only), never a network wait.")
+                             "directories and the HF cache only (local_files_only), never a network wait.", resume=True)
     c4_language: str = _f("en", "C4 configuration (language), as in allenai/c4.")
     c4_streaming: bool = _f(True, "Hub C4: stream the first documents (true) or download split slices (false).")
     c4_local_path: str = _f("", "Directory of raw C4 shards (<dir>/<lang>/c4-train.*.json.gz, c4-validation.*); "
-                            "used when set and c4_tokenized_path is empty.")
-    c4_tokenized_path: str = _f("", "Directory written by c4/tokenize_c4.py; takes precedence over the other C4 ways.")
+                            "used when set and c4_tokenized_path is empty.", per_machine=True)
+    c4_tokenized_path: str = _f("", "Directory written by c4/tokenize_c4.py; takes precedence over the other C4 ways.",
+                                per_machine=True)
     c4_num_documents: int = _f(1000, "C4 training documents to read (Hub or local shards); 0 = all local ones.",
                                min=0)
     imdb_local_path: str = _f("", "Directory with IMDB in its Hub layout (plain_text/train-*.parquet, "
-                              "plain_text/test-*.parquet); empty = stanfordnlp/imdb from the Hub.")
-    # --- model ---
+                              "plain_text/test-*.parquet); empty = stanfordnlp/imdb from the Hub.", per_machine=True)
+    section("model")
     model_type: str = _f("microllama", "Model family: microllama (LlamaForCausalLM, language modelling) or "
                          "bert (BertForSequenceClassification, with dataset: imdb).", choices=("microllama", "bert"))
     model_config: ModelConfig = _f(ModelConfig(), "Model name and weights (see model_config.* keys).")
-    # --- algorithm ---
+    section("algorithm")
     distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient) or "
                                "LocalSGD (inner SGD, outer = plain average).", choices=("DiLoCo", "LocalSGD"))
-    num_outer_steps: int = _f(12, "Outer steps (synchronisation rounds).", min=1)
+    num_outer_steps: int = _f(12, "Outer steps (synchronisation rounds).", min=1, resume=True)
     max_tokens: int = _f(0, "Stop after the outer step at which all trainers together have seen this many "
-                         "tokens (a token budget for fair comparisons); 0 = run all num_outer_steps.", min=0)
+                         "tokens (a token budget for fair comparisons); 0 = run all num_outer_steps.",
+                         min=0, resume=True)
     num_inner_steps: int = _f(20, "Inner optimizer steps per node per round (not micro-batches).", min=1)
     lr_inner: float = _f(3e-3, "Inner learning rate (AdamW for DiLoCo, SGD for LocalSGD).", min=0.0)
     lr_outer: float = _f(0.5, "Outer SGD learning rate (DiLoCo). Paper: 0.5; DiLoCo paper: 0.7.", min=0.0)
@@ -146,13 +172,13 @@ class Config:
     inner_weight_decay: float = _f(0.1, "AdamW weight decay of the inner optimizer (paper: 0.1).", min=0.0)
     inner_betas: list[float] = _f([0.9, 0.95], "AdamW betas of the inner optimizer.")
     grad_clip: float = _f(1.0, "Inner gradient-norm clipping; 0 disables.", min=0.0)
-    # --- multi-instance training ---
+    section("multi-instance training")
     num_init_trainers: int = _f(4, "Model instances (trainers) at the start.", min=1)
     merging_policy: str = _f("worst_with_worst", "Which trainers merge: worst_with_worst (paper: the two "
                              "smallest requested batches) or best_with_worst.",
                              choices=("worst_with_worst", "best_with_worst"))
     merge_frequency: int = _f(3, "Merge two trainers every this many outer steps; 0 disables merging.", min=0)
-    # --- adaptive batching ---
+    section("adaptive batching")
     initial_batch_size: int = _f(2, "Requested batch per node at the start.", min=1)
     max_requested_batch: int = _f(4096, "Upper bound of the requested batch.", min=1)
     sampling_method: str = _f("norm_test", "How the requested batch evolves: norm_test, "
@@ -177,172 +203,95 @@ class Config:
                           "threshold_switch_mode (accumulate only above 2x max_batch), "
                           "only_gradient_accumulation, only_data_loader.",
                           choices=("threshold_switch_mode", "only_gradient_accumulation", "only_data_loader"))
-    # --- communication ---
+    section("communication")
     statistics_comm: str = _f("fp64", "How the batch tests' statistics travel: fp64 (exact; the reference), fp32 (the "
                               "vectors in fp32, the scalars fp64) or sketch (each node count-sketches its gradient "
                               "samples to statistics_sketch_dim numbers first; estimates with relative error about "
-                              "sqrt(2/k)).", choices=("fp64", "fp32", "sketch"))
+                              "sqrt(2/k)).", choices=("fp64", "fp32", "sketch"), added_later=True)
     statistics_sketch_dim: int = _f(16384, "statistics_comm sketch: the sketch dimension k (every node builds the same "
-                                    "seeded count sketch).", min=1)
+                                    "seeded count sketch).", min=1, added_later=True)
     outer_compression: str = _f("none", "What each node's pseudo-gradient (trainer weights minus its own) becomes "
                                 "before its trainer averages it: none (fp32), bf16, fp8 (e4m3 with a scale per chunk "
                                 "of 1024), int8 (a scale per chunk of 1024) or topk (the topk_fraction largest "
                                 "entries: int32 indices, int8 values with a scale per chunk of 1024). Masters, the "
                                 "average and the outer optimizer stay fp32.",
-                                choices=("none", "bf16", "fp8", "int8", "topk"))
+                                choices=("none", "bf16", "fp8", "int8", "topk"), added_later=True)
     topk_fraction: float = _f(0.02, "outer_compression topk: the share of pseudo-gradient entries each node sends, "
-                              "in (0, 1].")
+                              "in (0, 1].", added_later=True)
     error_feedback: bool = _f(True, "With a lossy outer_compression: each node keeps what compression dropped "
                               "(its residual) and adds it to its next pseudo-gradient. The residual stays with the "
-                              "node and is checkpointed.")
+                              "node and is checkpointed.", added_later=True)
     merge_compression: str = _f("none", "What the absorbed trainers' states (weights, outer momentum) become when they "
                                 "travel for a merge: none (fp32), bf16, fp8 or int8 (no error feedback: a merge is "
-                                "one-off).", choices=("none", "bf16", "fp8", "int8"))
+                                "one-off).", choices=("none", "bf16", "fp8", "int8"), added_later=True)
     sync_fragments: int = _f(1, "Streaming DiLoCo: the model in this many fragments (contiguous groups of layers, "
                              "balanced by size) whose outer syncs are staggered through the round: fragment f lands "
-                             "after inner step (f+1) x num_inner_steps / sync_fragments. 1 = DiLoCo.", min=1)
+                             "after inner step (f+1) x num_inner_steps / sync_fragments. 1 = DiLoCo.",
+                             min=1, added_later=True)
     sync_delay: int = _f(0, "Streaming DiLoCo: inner steps the nodes keep training while a fragment's reduction is in "
                          "flight (it is sent this many steps before it lands); below num_inner_steps / "
-                         "sync_fragments.", min=0)
+                         "sync_fragments.", min=0, added_later=True)
     fragment_alpha: float = _f(1.0, "Streaming DiLoCo: when a fragment lands, each node's fragment becomes alpha x "
                                "global + (1 - alpha) x its own, in (0, 1]; 1 takes the global one (the paper "
-                               "mixes 0.5 with a delay).")
-    # --- the simulated clock (README "A simulated clock") ---
+                               "mixes 0.5 with a delay).", added_later=True)
+    section("the simulated clock")  # docs/clock.md
     network: str = _f("datacentre", "The simulated cluster's network: a preset (datacentre, cross-region, consumer) "
-                      "or 'BANDWIDTH,LATENCY' per node link (e.g. '1Gbit/s,50ms'). Only the clock reads it.")
+                      "or 'BANDWIDTH,LATENCY' per node link (e.g. '1Gbit/s,50ms'). Only the clock reads it.",
+                      added_later=True, cluster=True)
     throughput: str = _f("flat", "Tokens/s of a speed-1 node against its micro-batch and accumulation: flat "
                          "(node_tokens_per_s at every batch), measured (measured once on the first device by "
                          "benchmarks.system's curve and cached in cache_dir), or a curve file "
-                         "(python -m benchmarks.system --curve writes one).")
-    node_tokens_per_s: float = _f(10000.0, "throughput flat: tokens/s of a speed-1 node.", min=1e-9)
+                         "(python -m benchmarks.system --curve writes one).", added_later=True, cluster=True)
+    node_tokens_per_s: float = _f(10000.0, "throughput flat: tokens/s of a speed-1 node.",
+                                  min=1e-9, added_later=True, cluster=True)
     node_schedule: list[dict] = _f([], "Nodes that leave and come back or slow down: a list of {node: 3, leave: 4, "
                                    "return: 8} (away in outer steps 4 to 7) and {node: 1, slowdown: 4, from: 2, "
                                    "until: 6} (4x slower in outer steps 2 to 5); return / until 0 or absent: to the "
-                                   "end.")
+                                   "end.", added_later=True, cluster=True)
     inner_steps_by_speed: bool = _f(False, "Each node takes num_inner_steps x its throughput / its trainer's fastest "
                                     "node's inner steps (at least 1), so a trainer's nodes finish together (DyLU of "
-                                    "Async Local-SGD); the trainer averages its nodes weighted by their tokens.")
+                                    "Async Local-SGD); the trainer averages its nodes weighted by their tokens.",
+                                    added_later=True)
     target_metric: float = _f(0.0, "summary.json's sim_time_to_target_s: the simulated time at which a trainer "
-                              "first reached this metric value (0 = none).", min=0.0)
-    # --- evaluation and outputs ---
+                              "first reached this metric value (0 = none).", min=0.0, resume=True)
+    section("evaluation and outputs")
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
-                                 min=0)
+                                 min=0, resume=True)
     keep_checkpoints: int = _f(3, "Keep the newest this many complete checkpoints in model_weights (final included; "
                                "0 = keep all). Older ones are deleted only after a newer one is written and verified; "
-                               "final is never deleted.", min=0)
-    plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end).", min=1)
-    # --- tracking ---
+                               "final is never deleted.", min=0, resume=True)
+    plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end).", min=1, resume=True)
+    section("tracking")
     clearml_mode: str = _f("auto", "ClearML tracking: online, offline (a session zip to import later), auto "
                            "(online when ClearML credentials are configured, else offline) or off.",
-                           choices=("auto", "online", "offline", "off"))
+                           choices=("auto", "online", "offline", "off"), resume=True)
     clearml_timeout_s: float = _f(5.0, "Seconds to wait for the ClearML server before falling back to offline.",
-                                  min=0.1)
-    tensorboard: bool = _f(False, "Also write the scalars as TensorBoard event files (run_dir/tensorboard).")
-    inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.")
+                                  min=0.1, resume=True)
+    tensorboard: bool = _f(False, "Also write the scalars as TensorBoard event files (run_dir/tensorboard).",
+                           resume=True)
+    inner_progress: bool = _f(False, "Show a progress bar over each node's inner steps.", resume=True)
     memory_sample_interval_s: float = _f(0.05, "How often the memory monitor samples RSS during a round.",
-                                         min=0.001, max=60.0)
+                                         min=0.001, max=60.0, resume=True)
     dist_backend: str = _f("auto", "Under torchrun: the collectives' backend. auto = nccl for CUDA nodes, gloo for CPU "
                            "ones; gloo with CUDA nodes copies the collectives' tensors to the host (for several "
-                           "processes on one GPU, which NCCL refuses).", choices=("auto", "nccl", "gloo"))
+                           "processes on one GPU, which NCCL refuses).", choices=("auto", "nccl", "gloo"), resume=True)
     dist_timeout_s: float = _f(600.0, "Under torchrun: seconds a collective may wait for the other processes "
                                "before the run ends with one line naming the rank that did not arrive (hung or dead).",
-                               min=1.0)
-    # --- faults ---
+                               min=1.0, resume=True)
+    section("faults")
     on_node_fault: str = _f("stop", "What a node fault (non-finite loss or weights, or an exception in a node) "
                             "does: stop (checkpoint the last good state and exit with one line naming outer step, "
                             "trainer and node) or skip (drop that node's contribution for the round, log it in "
-                            "fault_events.csv and go on).", choices=("stop", "skip"))
+                            "fault_events.csv and go on).", choices=("stop", "skip"), resume=True)
     inject_fault: str = _f("", "Testing aid: faults to cause on purpose, '<outer_step>:<node_id>:<kind>' with kind "
                            "nan (the node's loss becomes NaN), error (the node raises) or hang (the node waits "
                            "until the run is stopped: under torchrun the other ranks end it after dist_timeout_s), "
-                           "comma-separated; empty = none.")
+                           "comma-separated; empty = none.", resume=True)
 
     def __post_init__(self) -> None:
-        self._check_paths()
-        self.injected_faults()  # validates the syntax
-        if self.outer_nesterov and self.outer_momentum == 0:
-            raise ConfigError("outer_nesterov", "Nesterov needs outer_momentum > 0 (DiLoCo uses 0.9)")
-        if len(self.inner_betas) != 2 or not all(0 <= b < 1 for b in self.inner_betas):
-            raise ConfigError("inner_betas", f"expected two numbers in [0, 1), got {self.inner_betas}")
-        if not self.devices:
-            raise ConfigError("devices", "at least one device is needed")
-        for i, spec in enumerate(self.device_specs):
-            device = spec.device
-            if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-                raise ConfigError(f"devices[{i}]" if self.devices[i] is spec else "devices",
-                                  f"'{device}' is not cpu, cuda or cuda:N")
-            if not spec.speed > 0:
-                raise ConfigError(f"devices[{i}].speed", f"{spec.speed} must be > 0 (1 = the throughput curve's pace)")
-        if self.precision == "tf32" and not any(d.startswith("cuda") for d in self.device_names):
-            raise ConfigError("precision", "tf32 is a CUDA matmul mode; on CPU use fp32 (or bf16)")
-        if self.dist_backend == "nccl" and not any(d.startswith("cuda") for d in self.device_names):
-            raise ConfigError("dist_backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
-        if self.compile and self.node_execution == "threads":
-            raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
-                              "(or torchrun, one node per process)")
-        total_nodes = self.total_nodes
-        if self.num_init_trainers > total_nodes:
-            raise ConfigError("num_init_trainers", f"{self.num_init_trainers} trainers need at least as many "
-                              f"nodes, but devices x nodes_per_gpu = {total_nodes}")
-        self._check_clock()
-        if self.initial_batch_size > self.max_requested_batch:
-            raise ConfigError("initial_batch_size", "is larger than max_requested_batch")
-        self._check_batches_can_grow()
-        if self.sampling_method == "linear_rampup" and not (self.rampup_tokens or self.max_tokens):
-            raise ConfigError("rampup_tokens", "linear_rampup needs rampup_tokens > 0 or a max_tokens budget")
-        if (self.model_type == "bert") != (self.dataset == "imdb"):
-            raise ConfigError("model_type", f"'{self.model_type}' does not go with dataset '{self.dataset}': "
-                              "bert trains on imdb, microllama on embedded or c4")
-        if self.sync_fragments > self.num_inner_steps:
-            raise ConfigError("sync_fragments", f"{self.sync_fragments} fragments need at least as many inner steps "
-                              f"(num_inner_steps {self.num_inner_steps}): each syncs once per round")
-        if self.sync_delay >= self.num_inner_steps // self.sync_fragments:
-            raise ConfigError("sync_delay", f"{self.sync_delay} must be below num_inner_steps / sync_fragments = "
-                              f"{self.num_inner_steps} / {self.sync_fragments} (rounded down: "
-                              f"{self.num_inner_steps // self.sync_fragments}): a fragment must land before the "
-                              "next is sent")
-        if not 0 < self.fragment_alpha <= 1:
-            raise ConfigError("fragment_alpha", f"{self.fragment_alpha} is not in (0, 1]")
-        if not 0 < self.topk_fraction <= 1:
-            raise ConfigError("topk_fraction", f"{self.topk_fraction} is not in (0, 1] (the share of entries sent)")
-        unknown = set(self.embedded_sources) - {"wiki", "c4", "tiny"}
-        if unknown or not self.embedded_sources:
-            raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {self.embedded_sources})")
-
-    def _check_clock(self) -> None:
-        """The cluster description (network, throughput, node_schedule, inner_steps_by_speed), before any work."""
-        from algorithms.clock import NodeSchedule, ThroughputCurve
-        from algorithms.network import parse_network
-
-        try:
-            parse_network(self.network)
-        except ValueError as exc:
-            raise ConfigError("network", str(exc)) from None
-        if self.throughput not in ("flat", "measured"):
-            try:
-                curve = ThroughputCurve.load(self.throughput)
-            except ValueError as exc:
-                raise ConfigError("throughput", f"{exc} (or use flat / measured)") from None
-            if self.max_batch_size > curve.largest_micro_batch:  # a probed max batch is checked once probed
-                raise ConfigError("throughput", f"{self.throughput} covers micro-batches up to "
-                                  f"{curve.largest_micro_batch} (accumulation 1), but max_batch_size is "
-                                  f"{self.max_batch_size}: measure the curve up to it (benchmarks.system --curve)")
-        try:
-            schedule = NodeSchedule.parse(self.node_schedule, self.total_nodes)
-        except ValueError as exc:
-            raise ConfigError("node_schedule", str(exc)) from None
-        trainers = self.num_init_trainers
-        for step in range(1, self.num_outer_steps + 1):
-            present = len(schedule.present(step, self.total_nodes))
-            if present < trainers:
-                raise ConfigError("node_schedule", f"leaves {present} nodes at outer step {step} for {trainers} "
-                                  "trainers: each trainer needs a node")
-            if self.merge_frequency and trainers > 1 and step % self.merge_frequency == 0:
-                trainers -= 1
-        if self.inner_steps_by_speed and (self.sync_fragments > 1 or self.sync_delay > 0):
-            raise ConfigError("inner_steps_by_speed", "cannot be combined with Streaming DiLoCo (sync_fragments, "
-                              "sync_delay): its fragments are scheduled at fixed inner steps")
+        for check in SECTION_CHECKS.values():  # the cross-key checks, one function per section (below)
+            check(self)
 
     @property
     def device_specs(self) -> list[DeviceSpec]:
@@ -357,24 +306,6 @@ class Config:
     def node_speeds(self) -> list[float]:
         """Each node's speed: its device's."""
         return [spec.speed for spec in self.device_specs for _ in range(self.nodes_per_gpu)]
-
-    def _check_paths(self) -> None:
-        """run_name and log_file are plain names inside their directories: no separators, no escapes."""
-        for key, value, may_be_empty in (("run_name", self.run_name, True), ("log_file", self.log_file, False)):
-            if not value and may_be_empty:
-                continue
-            if not value or value.strip() != value:
-                raise ConfigError(key, f"{value!r} must be a non-empty name without surrounding spaces")
-            if "/" in value or "\\" in value or value in (".", "..") or "\0" in value:
-                raise ConfigError(key, f"{value!r} must be a plain name, not a path (no '/', '..' or absolute paths)")
-            if len(value.encode()) > MAX_NAME_BYTES:
-                raise ConfigError(key, f"is {len(value.encode())} bytes long; at most {MAX_NAME_BYTES}")
-            if any(ord(c) < 32 or ord(c) == 127 for c in value):
-                raise ConfigError(key, f"{value!r} contains control characters (a newline, a tab, ...)")
-        if self.log_file in RUN_DIR_ENTRIES:
-            raise ConfigError("log_file", f"'{self.log_file}' is the name of another entry of the run directory")
-        if not self.log_dir.strip():
-            raise ConfigError("log_dir", "must not be empty (use . for the current directory)")
 
     def injected_faults(self) -> dict[tuple[int, int], str]:
         """inject_fault parsed: (outer_step, node_id) -> kind."""
@@ -395,21 +326,6 @@ class Config:
                                   f"{self.total_nodes - 1}")
             faults[(step, node)] = kind
         return faults
-
-    def _check_batches_can_grow(self) -> None:
-        """Adaptive batching whose estimator can never see two gradient samples is a silent no-op: refuse it."""
-        if self.sampling_method not in ADAPTIVE_TESTS:
-            return
-        total_nodes = self.total_nodes
-        if self.variance_estimator == "nodes":
-            if total_nodes == 1 or (total_nodes == self.num_init_trainers and self.merge_frequency == 0):
-                raise ConfigError("variance_estimator", f"'nodes' needs >= 2 nodes per trainer, but {total_nodes} "
-                                  f"nodes serve {self.num_init_trainers} trainers that never merge: batches would "
-                                  "never grow; use variance_estimator: micro_batches, more nodes, or merging")
-        elif self.initial_batch_size == 1:
-            raise ConfigError("variance_estimator", "'micro_batches' splits each node's last step, but "
-                              "initial_batch_size 1 gives one example per step: batches would never grow; use "
-                              "initial_batch_size >= 2 or variance_estimator: nodes")
 
     def warnings(self) -> list[str]:
         """Valid settings that likely do not do what the user wants; run.py logs them before any work."""
@@ -439,41 +355,202 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def meaning(self) -> dict[str, Any]:
-        """The settings that decide a run's numbers: everything but RESUME_MAY_CHANGE (max_tokens does
-        decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.name in ADDED_LATER}
+    def meaning(self, legacy: bool = False) -> dict[str, Any]:
+        """The settings that decide a run's numbers: every key but those marked resume (max_tokens does
+        decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too).
+        legacy: as versions before 2026-11-24 computed it, counting a list-valued key marked added_later
+        (node_schedule) even at its default."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+
+        def at_default(f: dataclasses.Field, value: Any) -> bool:
+            if f.default_factory is not dataclasses.MISSING:
+                return not legacy and value == f.default_factory()
+            return value == f.default
+
         # keys added after checkpoints were written count only when set: those checkpoints stay resumable
-        meaning = {k: v for k, v in self.to_dict().items()
-                   if k not in RESUME_MAY_CHANGE and not (k in ADDED_LATER and v == defaults[k])}
+        meaning = {k: v for k, v in self.to_dict().items() if not fields[k].metadata["resume"]
+                   and not (fields[k].metadata["added_later"] and at_default(fields[k], v))}
         if self.sampling_method == "linear_rampup":
             meaning["rampup_tokens"] = self.rampup_tokens or self.max_tokens
         return meaning
 
-    def meaning_hash(self) -> str:
+    def meaning_hash(self, legacy: bool = False) -> str:
         """A checkpoint is resumable under a config with the same hash."""
-        return hashlib.sha256(json.dumps(self.meaning(), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.meaning(legacy), sort_keys=True).encode()).hexdigest()[:16]
+
+    def meaning_hashes(self) -> tuple[str, ...]:
+        """The hashes a resumable checkpoint of this config may carry: today's, then the one versions before
+        2026-11-24 wrote (which counted node_schedule at its default: their checkpoints stay resumable)."""
+        return tuple(dict.fromkeys((self.meaning_hash(), self.meaning_hash(legacy=True))))
 
 
 FAULT_KINDS = ("nan", "error", "hang")
-# what a run directory holds besides its log file (README: "What a run shows and leaves")
+# what a run directory holds besides its log file (docs/observing.md: "What a run shows and leaves")
 RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "model_weights", "model_training_report",
                              "memory_report", "tensorboard", "clearml_task.json", "run.lock", "status.json"})
 MAX_NAME_BYTES = 200  # run_name / log_file: filesystems allow 255 bytes, suffixes need the rest
-# Keys a resumed run may change (--resume RUN_DIR key=value): they do not change what is computed, only
-# how long it runs, what is recorded and how faults are handled. Everything else is fixed by the checkpoint.
-# Keys that decide numbers but came after the first checkpoint format: at their defaults they do what the
-# versions before them did, so they leave the config hash (and so --resume of older runs) unchanged.
-ADDED_LATER = frozenset({"statistics_comm", "statistics_sketch_dim", "outer_compression", "topk_fraction",
-                         "error_feedback", "merge_compression", "sync_fragments", "sync_delay", "fragment_alpha",
-                         "network", "throughput", "node_tokens_per_s", "node_schedule", "inner_steps_by_speed"})
 
-RESUME_MAY_CHANGE = frozenset({
-    "num_outer_steps", "max_tokens", "project_name", "task_name", "log_dir", "log_file", "run_name",
-    "node_execution", "save_weights_every", "plot_every", "clearml_mode", "clearml_timeout_s", "tensorboard",
-    "inner_progress", "memory_sample_interval_s", "on_node_fault", "inject_fault", "hub_downloads", "cache_dir",
-    "dist_timeout_s", "keep_checkpoints", "cpu_capability", "cpu_threads", "dist_backend", "target_metric",
-})
+
+def keys_where(prop: str, schema: type | None = None) -> tuple[str, ...]:
+    """The keys whose field says `prop` (see _f), in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(schema or Config) if f.metadata.get(prop))
+
+
+# What each key is, read off its field (_f): resumable changes, keys added after the first checkpoint format,
+# keys that may differ between torchrun machines, cluster-description keys, and keys that only place files.
+RESUME_MAY_CHANGE = frozenset(keys_where("resume"))
+ADDED_LATER = frozenset(keys_where("added_later"))
+PER_MACHINE_KEYS = frozenset(keys_where("per_machine"))
+CLUSTER_KEYS = keys_where("cluster")
+WHERE_KEYS = frozenset(keys_where("where"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-key checks: one function per section, run in this order when a Config is made (a single key's type,
+# choices and bounds are checked as it is read, by _coerce)
+
+
+def check_run_and_logs(cfg: Config) -> None:
+    """run_name and log_file are plain names inside their directories: no separators, no escapes."""
+    for key, value, may_be_empty in (("run_name", cfg.run_name, True), ("log_file", cfg.log_file, False)):
+        if not value and may_be_empty:
+            continue
+        if not value or value.strip() != value:
+            raise ConfigError(key, f"{value!r} must be a non-empty name without surrounding spaces")
+        if "/" in value or "\\" in value or value in (".", "..") or "\0" in value:
+            raise ConfigError(key, f"{value!r} must be a plain name, not a path (no '/', '..' or absolute paths)")
+        if len(value.encode()) > MAX_NAME_BYTES:
+            raise ConfigError(key, f"is {len(value.encode())} bytes long; at most {MAX_NAME_BYTES}")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ConfigError(key, f"{value!r} contains control characters (a newline, a tab, ...)")
+    if cfg.log_file in RUN_DIR_ENTRIES:
+        raise ConfigError("log_file", f"'{cfg.log_file}' is the name of another entry of the run directory")
+    if not cfg.log_dir.strip():
+        raise ConfigError("log_dir", "must not be empty (use . for the current directory)")
+
+
+def check_faults(cfg: Config) -> None:
+    cfg.injected_faults()  # validates the syntax
+
+
+def check_algorithm(cfg: Config) -> None:
+    if cfg.outer_nesterov and cfg.outer_momentum == 0:
+        raise ConfigError("outer_nesterov", "Nesterov needs outer_momentum > 0 (DiLoCo uses 0.9)")
+    if len(cfg.inner_betas) != 2 or not all(0 <= b < 1 for b in cfg.inner_betas):
+        raise ConfigError("inner_betas", f"expected two numbers in [0, 1), got {cfg.inner_betas}")
+
+
+def check_cluster(cfg: Config) -> None:
+    if not cfg.devices:
+        raise ConfigError("devices", "at least one device is needed")
+    for i, spec in enumerate(cfg.device_specs):
+        device = spec.device
+        if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+            raise ConfigError(f"devices[{i}]" if cfg.devices[i] is spec else "devices",
+                              f"'{device}' is not cpu, cuda or cuda:N")
+        if not spec.speed > 0:
+            raise ConfigError(f"devices[{i}].speed", f"{spec.speed} must be > 0 (1 = the throughput curve's pace)")
+    if cfg.precision == "tf32" and not any(d.startswith("cuda") for d in cfg.device_names):
+        raise ConfigError("precision", "tf32 is a CUDA matmul mode; on CPU use fp32 (or bf16)")
+    if cfg.dist_backend == "nccl" and not any(d.startswith("cuda") for d in cfg.device_names):
+        raise ConfigError("dist_backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
+    if cfg.compile and cfg.node_execution == "threads":
+        raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
+                          "(or torchrun, one node per process)")
+
+
+def check_multi_instance(cfg: Config) -> None:
+    if cfg.num_init_trainers > cfg.total_nodes:
+        raise ConfigError("num_init_trainers", f"{cfg.num_init_trainers} trainers need at least as many "
+                          f"nodes, but devices x nodes_per_gpu = {cfg.total_nodes}")
+
+
+def check_clock(cfg: Config) -> None:
+    """The cluster description (network, throughput, node_schedule, inner_steps_by_speed), before any work."""
+    from algorithms.clock import NodeSchedule, ThroughputCurve
+    from algorithms.network import parse_network
+
+    try:
+        parse_network(cfg.network)
+    except ValueError as exc:
+        raise ConfigError("network", str(exc)) from None
+    if cfg.throughput not in ("flat", "measured"):
+        try:
+            curve = ThroughputCurve.load(cfg.throughput)
+        except ValueError as exc:
+            raise ConfigError("throughput", f"{exc} (or use flat / measured)") from None
+        if cfg.max_batch_size > curve.largest_micro_batch:  # a probed max batch is checked once probed
+            raise ConfigError("throughput", f"{cfg.throughput} covers micro-batches up to "
+                              f"{curve.largest_micro_batch} (accumulation 1), but max_batch_size is "
+                              f"{cfg.max_batch_size}: measure the curve up to it (benchmarks.system --curve)")
+    try:
+        schedule = NodeSchedule.parse(cfg.node_schedule, cfg.total_nodes)
+    except ValueError as exc:
+        raise ConfigError("node_schedule", str(exc)) from None
+    trainers = cfg.num_init_trainers
+    for step in range(1, cfg.num_outer_steps + 1):
+        present = len(schedule.present(step, cfg.total_nodes))
+        if present < trainers:
+            raise ConfigError("node_schedule", f"leaves {present} nodes at outer step {step} for {trainers} "
+                              "trainers: each trainer needs a node")
+        if cfg.merge_frequency and trainers > 1 and step % cfg.merge_frequency == 0:
+            trainers -= 1
+    if cfg.inner_steps_by_speed and (cfg.sync_fragments > 1 or cfg.sync_delay > 0):
+        raise ConfigError("inner_steps_by_speed", "cannot be combined with Streaming DiLoCo (sync_fragments, "
+                          "sync_delay): its fragments are scheduled at fixed inner steps")
+
+
+def check_adaptive_batching(cfg: Config) -> None:
+    """Adaptive batching whose estimator can never see two gradient samples is a silent no-op: refuse it."""
+    if cfg.initial_batch_size > cfg.max_requested_batch:
+        raise ConfigError("initial_batch_size", "is larger than max_requested_batch")
+    if cfg.sampling_method in ADAPTIVE_TESTS:
+        total_nodes = cfg.total_nodes
+        if cfg.variance_estimator == "nodes":
+            if total_nodes == 1 or (total_nodes == cfg.num_init_trainers and cfg.merge_frequency == 0):
+                raise ConfigError("variance_estimator", f"'nodes' needs >= 2 nodes per trainer, but {total_nodes} "
+                                  f"nodes serve {cfg.num_init_trainers} trainers that never merge: batches would "
+                                  "never grow; use variance_estimator: micro_batches, more nodes, or merging")
+        elif cfg.initial_batch_size == 1:
+            raise ConfigError("variance_estimator", "'micro_batches' splits each node's last step, but "
+                              "initial_batch_size 1 gives one example per step: batches would never grow; use "
+                              "initial_batch_size >= 2 or variance_estimator: nodes")
+    if cfg.sampling_method == "linear_rampup" and not (cfg.rampup_tokens or cfg.max_tokens):
+        raise ConfigError("rampup_tokens", "linear_rampup needs rampup_tokens > 0 or a max_tokens budget")
+
+
+def check_model(cfg: Config) -> None:
+    if (cfg.model_type == "bert") != (cfg.dataset == "imdb"):
+        raise ConfigError("model_type", f"'{cfg.model_type}' does not go with dataset '{cfg.dataset}': "
+                          "bert trains on imdb, microllama on embedded or c4")
+
+
+def check_communication(cfg: Config) -> None:
+    if cfg.sync_fragments > cfg.num_inner_steps:
+        raise ConfigError("sync_fragments", f"{cfg.sync_fragments} fragments need at least as many inner steps "
+                          f"(num_inner_steps {cfg.num_inner_steps}): each syncs once per round")
+    if cfg.sync_delay >= cfg.num_inner_steps // cfg.sync_fragments:
+        raise ConfigError("sync_delay", f"{cfg.sync_delay} must be below num_inner_steps / sync_fragments = "
+                          f"{cfg.num_inner_steps} / {cfg.sync_fragments} (rounded down: "
+                          f"{cfg.num_inner_steps // cfg.sync_fragments}): a fragment must land before the "
+                          "next is sent")
+    if not 0 < cfg.fragment_alpha <= 1:
+        raise ConfigError("fragment_alpha", f"{cfg.fragment_alpha} is not in (0, 1]")
+    if not 0 < cfg.topk_fraction <= 1:
+        raise ConfigError("topk_fraction", f"{cfg.topk_fraction} is not in (0, 1] (the share of entries sent)")
+
+
+def check_data(cfg: Config) -> None:
+    unknown = set(cfg.embedded_sources) - {"wiki", "c4", "tiny"}
+    if unknown or not cfg.embedded_sources:
+        raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {cfg.embedded_sources})")
+
+
+# section -> its check, in the order they run (the order of the checks before they were split by section)
+SECTION_CHECKS = {"run and logs": check_run_and_logs, "faults": check_faults, "algorithm": check_algorithm,
+                  "cluster": check_cluster, "multi-instance training": check_multi_instance,
+                  "the simulated clock": check_clock, "adaptive batching": check_adaptive_batching,
+                  "model": check_model, "communication": check_communication, "data": check_data}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -638,8 +715,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def markdown_table() -> str:
-    """The README's table of every key, its default and its meaning."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    """docs/configuration.md's table: every key, its default, its section, whether --resume may change it, and
+    its meaning."""
+    rows = ["| key | default | section | on --resume | meaning |", "|---|---|---|---|---|"]
 
     def walk(cls: type, prefix: str = "") -> None:
         for f in dataclasses.fields(cls):
@@ -649,25 +727,28 @@ def markdown_table() -> str:
                 continue
             choices = f.metadata.get("choices")
             doc = f.metadata["doc"] + (f" One of: {', '.join(choices)}." if choices else "")
-            rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {doc} |")
+            resume = ("given by RUN_DIR" if f.name in ("run_name", "log_dir", "log_file") else "may change") \
+                if f.metadata["resume"] else "fixed"
+            rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {f.metadata['section']} | {resume} | {doc} |")
 
     walk(Config)
     return "\n".join(rows)
 
 
 TABLE_START, TABLE_END = "<!-- config-table:start -->", "<!-- config-table:end -->"
+CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
-def update_readme(readme: Path) -> None:
-    """Rewrite the table between the README's config-table markers."""
-    text = readme.read_text()
+def update_docs(page: Path = CONFIG_DOC) -> None:
+    """Rewrite the table between the page's config-table markers."""
+    text = page.read_text()
     head, rest = text.split(TABLE_START)
     _, tail = rest.split(TABLE_END)
-    readme.write_text(f"{head}{TABLE_START}\n{markdown_table()}\n{TABLE_END}{tail}")
+    page.write_text(f"{head}{TABLE_START}\n{markdown_table()}\n{TABLE_END}{tail}")
 
 
 if __name__ == "__main__":
     if "--markdown" in sys.argv:
         print(markdown_table())
-    if "--update-readme" in sys.argv:
-        update_readme(Path(__file__).resolve().parents[1] / "README.md")
+    if "--update-docs" in sys.argv:
+        update_docs()

@@ -1,0 +1,86 @@
+"""Does AdLoCo help? The comparison harness: `python -m benchmarks.compare --help` (options.py) says what it runs.
+
+Its parts, one concern each: variants.py (the variants as data: name, family, overrides), options.py (the command
+line, parsed once into frozen Options), runner.py (each variant a run.py child process; finished runs reused),
+reader.py (a finished run read back), report.py (comparison.md's tables, the CSV files, the plots) and
+pricing.py (the runs on their own clock, and on the network cost model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tqdm import tqdm  # noqa: E402
+
+from algorithms.clock import ThroughputCurve  # noqa: E402
+from benchmarks.compare.options import Options, build_parser, cluster_overrides, parse_networks  # noqa: E402
+from benchmarks.compare.reader import first_reaching, ran_shapes, read_run, value_at  # noqa: E402
+from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
+from benchmarks.compare.runner import run_variant, shown, warm_start  # noqa: E402
+from benchmarks.compare.variants import (  # noqa: E402
+    CLUSTER_VARIANTS,
+    COMMUNICATION_VARIANTS,
+    Variant,
+    catalogue,
+    select,
+    variants,
+)
+from utils.config import load_config  # noqa: E402
+from utils.errors import Interrupted, raise_interrupted  # noqa: E402
+
+__all__ = ["main", "build_parser", "cluster_overrides", "variants", "catalogue", "Variant", "COMMUNICATION_VARIANTS",
+           "CLUSTER_VARIANTS", "read_run", "ran_shapes", "value_at", "first_reaching", "Options"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = Options.parse(argv)
+    parse_networks(args)
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, raise_interrupted) for signum in stops}
+    try:
+        return compare(args)
+    except Interrupted as stopped:  # SIGINT / SIGTERM / SIGHUP: the running child was stopped too
+        print(f"stopped by {signal.Signals(stopped.signum).name}: the running variant was stopped too; run the same "
+              "command again to go on (finished runs are reused)", file=sys.stderr)
+        return 128 + stopped.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def compare(args: Options) -> int:
+    """Every chosen variant and seed at the same token budget, then the report."""
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if args.throughput_curve:
+        try:
+            ThroughputCurve.load(args.throughput_curve)
+        except ValueError as exc:
+            raise SystemExit(f"error: --throughput_curve: {exc}") from None
+    base = load_config(args.config, list(args.overrides))
+    extra = warm_start(args, out)
+    args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
+    chosen = select(catalogue(base, args.batches, args.localsgd_lr), args.variants, args.diloco_batches,
+                    bool(args.cluster))
+    if not args.max_tokens:
+        # the budget: what AdLoCo itself consumes in the configured number of outer steps
+        budget_args = dataclasses.replace(args, max_tokens=0, max_outer_steps=base.num_outer_steps)
+        first = read_run(run_variant("adloco", [], 0, budget_args, out, extra))
+        args = dataclasses.replace(args, max_tokens=first["curve"][-1]["tokens"])
+        print(f"token budget: {args.max_tokens} tokens (AdLoCo, {base.num_outer_steps} outer steps, seed 0)")
+    results: dict[str, list[dict]] = {}
+    jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
+    for name, seed in tqdm(jobs, desc="runs", unit="run"):
+        run = read_run(run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
+        results.setdefault(name, []).append({**run, "family": chosen[name].family})
+    report_out = Path(args.report_out) if args.report_out else out
+    report_out.mkdir(parents=True, exist_ok=True)
+    print(write_outputs(summarise(results, base, args), results, args, report_out))
+    return 0

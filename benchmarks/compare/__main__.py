@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.compare import main
+
+sys.exit(main())

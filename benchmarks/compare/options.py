@@ -1,0 +1,177 @@
+"""Does AdLoCo help? AdLoCo against DiLoCo baselines, LocalSGD and ablations, at matched budgets.
+
+    python -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 3 --out benchmarks/results/compare
+
+    # the paper's regime: one shared pretrained start, then every variant fine-tunes it with a small lr
+    python -m benchmarks.compare --config configs/compare_warm_cpu.yaml --pretrain_config configs/pretrain_cpu.yaml \
+        --seeds 3 --out benchmarks/results/compare_warm
+
+Every variant trains on the same data, model and seeds, with the same token budget (`--max_tokens`,
+default: what the AdLoCo config uses in num_outer_steps, measured by a first AdLoCo run), as a separate
+`run.py` process. Variants are config overrides of the base config:
+
+  adloco              the base config (adaptive batching, merging, switch mode)
+  adloco_no_adaptive  sampling_method: constant
+  adloco_no_merge     merge_frequency: 0
+  adloco_no_switch    switch_mode: only_data_loader (never accumulate)
+  diloco_bB           one trainer on all nodes, constant batch B (--diloco_batches, default 2,4,8,16),
+                      run as it really is: loader batch x accumulation (only_gradient_accumulation)
+  diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
+                      max_requested_batch over the token budget (Megatron's rampup-batch-size)
+  localsgd            as diloco_b<initial batch> with LocalSGD (inner SGD at --localsgd_lr, outer = average)
+  communication (when named, or --variants communication; error feedback on):
+  adloco_sketch       statistics_comm: sketch
+  adloco_int8, adloco_fp8, adloco_topk    outer_compression int8 / fp8 / topk (2%)
+  adloco_int8_sketch  both
+  diloco_int8, diloco_topk                diloco_bB (B the middle --diloco_batches) compressed
+  heterogeneous clusters (with --cluster FILE, included in all):
+  diloco_by_speed     diloco_bB with inner_steps_by_speed (each node's inner steps in proportion to its
+                      throughput, the mean weighted by tokens: DyLU of Async Local-SGD)
+  adloco_by_speed     adloco with inner_steps_by_speed
+
+--cluster FILE: a YAML mapping of the cluster keys (devices with speed / memory_mb, nodes_per_gpu, network,
+throughput, node_tokens_per_s, node_schedule) applied to every run, whose own simulated clock
+(docs/clock.md) then times it: the report gains time to target, utilisation and idle time under that
+clock. --throughput_curve FILE prices the finished runs' rounds with a throughput curve instead of a flat
+tokens/s (the network model's tables).
+
+Warm start (two phases): `--pretrain_config CFG` trains one shared start with run.py (phase 1, into
+<out>/pretrain, reused when finished); `--init_from RUN_DIR` uses an existing run's final model. Phase 2
+starts every variant from that Hugging Face directory (model_weights/final/final_model, with its
+tokenizer) on the --config data.
+
+Outputs in --out: comparison.md (every table), comparison.csv (one row per variant), budgets.csv (the
+metric at matched budgets), merges.csv (every merge of every run) and plots of the metric against
+rounds, syncs, bytes, tokens and wall time. Reported per run: the real final model (summary.json's
+final_metric, the model in model_weights/final) and, separately, the best metric seen during the run.
+
+The command line is parsed once into frozen Options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import yaml
+
+from benchmarks import network
+from utils.config import CLUSTER_KEYS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    config: str
+    seeds: int
+    max_tokens: int
+    max_outer_steps: int
+    variants: str
+    diloco_batches: str
+    target: float
+    localsgd_lr: float
+    pretrain_config: str
+    pretrain_set: tuple[str, ...]
+    init_from: str
+    out: str
+    rerun: bool
+    report_out: str
+    network: tuple[str, ...]
+    node_throughput: float
+    time_target: float
+    time_budget: float
+    crossover_latency: str
+    cluster: str
+    throughput_curve: str
+    no_statistics: bool
+    overrides: tuple[str, ...]  # run.py overrides for every variant: --cluster's first, then the command line's
+    warm_from: str = ""  # the warm start's model directory, as the report shows it
+
+    @classmethod
+    def parse(cls, argv: list[str] | None) -> Options:
+        args = vars(build_parser().parse_args(argv))
+        for key in ("pretrain_set", "network", "overrides"):
+            args[key] = tuple(args[key])
+        if args["cluster"]:  # every run on the described cluster, before the command line's own overrides
+            args["overrides"] = (*cluster_overrides(args["cluster"]), *args["overrides"])
+        return cls(**args)
+
+    @property
+    def batches(self) -> list[int]:
+        return [int(b) for b in self.diloco_batches.split(",") if b]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "config.yaml"))
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (training_seed 0..seeds-1)")
+    p.add_argument("--max_tokens", type=int, default=0,
+                   help="token budget per run; 0 = what the first AdLoCo run uses in its num_outer_steps")
+    p.add_argument("--max_outer_steps", type=int, default=200, help="upper bound on outer steps per run")
+    p.add_argument("--variants", default="all", help="comma-separated subset of the variants; all (the comparison "
+                   "without the communication variants) or communication (adloco, the middle diloco_bB and the "
+                   "compressed / sketched variants)")
+    p.add_argument("--diloco_batches", default="2,4,8,16", help="constant batches of the DiLoCo baselines")
+    p.add_argument("--target", type=float, default=0.0,
+                   help="target metric; 0 = the final mean of DiLoCo at the initial batch")
+    p.add_argument("--localsgd_lr", type=float, default=0.3, help="inner SGD learning rate of the LocalSGD baseline")
+    p.add_argument("--pretrain_config", default="", help="phase 1 of the warm start: run.py config of the shared start")
+    p.add_argument("--pretrain_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for phase 1 (repeatable)")
+    p.add_argument("--init_from", default="", help="warm start from this finished run's final model")
+    p.add_argument("--out", default=str(ROOT / "logs" / "compare"),
+                   help="runs and report (default logs/compare, outside the committed results; BENCHMARKS.md's "
+                        "commands name benchmarks/results/... explicitly)")
+    p.add_argument("--rerun", action="store_true", help="redo runs that already finished")
+    p.add_argument("--report_out", default="",
+                   help="write the tables and plots here instead of --out (the runs stay in --out/runs): another "
+                        "view of finished runs, e.g. on other --network settings, without overwriting the report")
+    p.add_argument("--network", action="append", default=[], metavar="[NAME=]BANDWIDTH,LATENCY",
+                   help="a network to predict wall time on (repeatable): e.g. '10Gbit/s,1ms', 'lab=1Gbit/s,0.2ms' "
+                        f"or a preset ({', '.join(network.PRESETS)}); default: the three presets")
+    p.add_argument("--node_throughput", type=float, default=0.0,
+                   help="tokens/s of one node for the network model; 0 = measured from the runs")
+    p.add_argument("--time_target", type=float, default=0.0,
+                   help="target metric of the network model; 0 = the loosest value every run reached")
+    p.add_argument("--time_budget", type=float, default=0.0,
+                   help="seconds of predicted time; 0 = the shortest predicted run, per network")
+    p.add_argument("--crossover_latency", default="10ms", help="latency of the crossover over bandwidths")
+    p.add_argument("--cluster", default="", help="a cluster description (YAML: devices with speed, nodes_per_gpu, "
+                   "network, throughput, node_schedule, ...) applied to every run; adds the by_speed variants and the "
+                   "clock's report")
+    p.add_argument("--throughput_curve", default="", help="network model: a throughput curve file (benchmarks.system "
+                   "--curve) instead of a flat tokens/s")
+    p.add_argument("--no_statistics", action="store_true",
+                   help="network model: leave out the batch test's statistics (the weights traffic only)")
+    p.add_argument("overrides", nargs="*", help="run.py key=value overrides applied to every variant, after "
+                   "--config (e.g. lr_inner=1e-3 num_inner_steps=10); each variant's own keys come after them")
+    return p
+
+
+def cluster_overrides(path: str) -> list[str]:
+    """--cluster FILE as run.py overrides; a one-line error for what is not a cluster description."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: --cluster: cannot read {path} ({exc})") from None
+    if not isinstance(raw, dict) or not raw:
+        raise SystemExit(f"error: --cluster: {path} must hold a mapping of cluster keys ({', '.join(CLUSTER_KEYS)})")
+    unknown = sorted(set(raw) - set(CLUSTER_KEYS))
+    if unknown:
+        raise SystemExit(f"error: --cluster: {path}: '{unknown[0]}' is not a cluster key ({', '.join(CLUSTER_KEYS)})")
+    return [f"{k}={json.dumps(v)}" for k, v in raw.items()]
+
+
+def parse_networks(args: Options) -> tuple[list[network.Network], float]:
+    """--network and --crossover_latency, checked before any run starts."""
+    try:
+        nets = [network.parse_network(s) for s in (args.network or list(network.PRESETS))]
+        return nets, network.parse_latency(args.crossover_latency)
+    except ValueError as e:
+        raise SystemExit(f"error: --network / --crossover_latency: {e}") from None
+
+

@@ -1,0 +1,154 @@
+"""The report: every table of comparison.md (final models, to the target, at matched budgets, merges), its CSV
+files and the plots against each budget axis; the clock and the network pricing come from pricing.py."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+from benchmarks.compare.options import Options
+from benchmarks.compare.pricing import clock_report, network_report
+from benchmarks.compare.reader import first_reaching, value_at
+from benchmarks.compare.shared import mean_std, plt_, table
+from benchmarks.theory import communication_bound
+from training_logs.plots import readable_y
+from utils.config import Config
+
+# budget axes: curve key -> what it counts (definitions in algorithms/traffic.py)
+AXES = {"tokens": "tokens seen (all trainers)", "rounds": "rounds (outer steps)",
+        "syncs": "syncs (cross-node all-reduces + merges)", "bytes": "bytes communicated"}
+
+
+def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> dict:
+    """Every table of the report, as lists of dicts."""
+    any_run = next(iter(results.values()))[0]
+    metric = any_run["metric"]
+    higher = metric == "val_accuracy"
+    diloco_default = f"diloco_b{base.initial_batch_size}"
+    finals = {n: [r["final"] for r in runs] for n, runs in results.items()}
+    diloco = [n for n, runs in results.items() if runs[0]["family"] == "diloco"]
+    reference = diloco_default if diloco_default in finals else next(iter(diloco), "")
+    target = args.target or (statistics.mean(finals[reference]) if reference else 0.0)
+    main_rows, budget_rows, merge_rows = [], [], []
+    for name, runs in results.items():
+        final_mean, final_std = mean_std(finals[name])
+        row = {"variant": name, "ran": runs[0]["ran"], "final_mean": final_mean, "final_std": final_std,
+               "best_seen_mean": statistics.mean(r["best_seen"] for r in runs if r["best_seen"] is not None)
+               if any(r["best_seen"] is not None for r in runs) else None}
+        for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
+            row[key] = statistics.mean(r["curve"][-1][key] for r in runs)
+        for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
+            reach = [first_reaching(r["curve"], target, key, higher) for r in runs]
+            got = [v for v in reach if v is not None]
+            row[f"{key}_to_target"] = statistics.mean(got) if len(got) == len(reach) else f"{len(got)}/{len(reach)}"
+        row.update({"merges": statistics.mean(len(r["merges"]) for r in runs),
+                    "max_requested_batch": max(max(r["requested_batches"]) for r in runs),
+                    "max_accumulation": max(r["max_accumulation"] for r in runs),
+                    "theorem2_bound": communication_bound(base, runs[0])})
+        main_rows.append(row)
+        events = [m for r in runs for m in r["merges"]]
+        if events:
+            best_member = [(max if higher else min)(m["before"]) for m in events]
+            change = [100 * (m["after"] - b) / b for m, b in zip(events, best_member)]
+            better_than_weighted = [(m["after"] >= m["weighted"]) if higher else (m["after"] <= m["weighted"])
+                                    for m in events]
+            merge_rows.append({"variant": name, "merges": len(events),
+                               "best_member_mean": statistics.mean(best_member),
+                               "weighted_members_mean": statistics.mean(m["weighted"] for m in events),
+                               "after_mean": statistics.mean(m["after"] for m in events),
+                               "after_vs_best_member_pct_mean": statistics.mean(change),
+                               "after_vs_best_member_pct_worst": (min if higher else max)(change),
+                               "share_better_than_weighted": sum(better_than_weighted) / len(events)})
+    budgets = {"tokens": float(args.max_tokens)}
+    for axis in ("rounds", "syncs", "bytes"):
+        totals = [r["curve"][-1][axis] for runs in results.values() for r in runs if r["curve"][-1][axis] > 0]
+        if totals:
+            budgets[axis] = float(min(totals))  # the largest budget every communicating run reached
+    for axis, budget in budgets.items():
+        for name, runs in results.items():
+            values = [value_at(r["curve"], axis, budget, log_scale=not higher) for r in runs]
+            mean, std = mean_std([v for v, _ in values])
+            budget_rows.append({"axis": axis, "budget": budget, "variant": name, "metric_mean": mean,
+                                "metric_std": std, "runs_ended_below_budget": sum(not ok for _, ok in values)})
+    return {"metric": metric, "target": target, "reference": reference, "main": main_rows, "budgets": budget_rows,
+            "merges": merge_rows}
+
+
+def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
+    plt = plt_()
+    paths = []
+    for key, label in (*AXES.items(), ("wall", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name, runs in results.items():
+            curve = runs[0]["curve"]  # first seed; the tables have the spread over seeds
+            ax.plot([p[key] for p in curve], [p["metric"] for p in curve], marker="o", ms=3,
+                    ls="-" if runs[0]["family"] == "adloco" else "--", label=f"{name} ({runs[0]['ran']})")
+        if metric == "val_perplexity":
+            readable_y(ax, [p["metric"] for runs in results.values() for p in runs[0]["curve"]])
+        ax.set(xlabel=label, ylabel=f"{metric} (best model alive)", title=f"{metric} against {label} (seed 0)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{metric}_vs_{key}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
+    with (out / "comparison.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(report["main"][0]))
+        w.writeheader()
+        w.writerows(report["main"])
+    with (out / "budgets.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(report["budgets"][0]))
+        w.writeheader()
+        w.writerows(report["budgets"])
+    with (out / "merges.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "seed", "metric_before", "metric_weighted_before", "metric_after"])
+        for name, runs in results.items():
+            for seed, r in enumerate(runs):
+                for m in r["merges"]:
+                    w.writerow([name, seed, " ".join(f"{v:.6g}" for v in m["before"]), m["weighted"], m["after"]])
+    metric = report["metric"]
+    warm = f"; warm start: {args.warm_from}" if args.warm_from else ""
+    lines = [f"# AdLoCo comparison ({datetime.now():%Y-%m-%d})", "",
+             f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
+             f"{args.max_tokens}{warm}; target {metric}: {report['target']:.4g} "
+             f"({'given' if args.target else report['reference'] + ' final mean'}).", "",
+             f"## Final models ({metric} of the real final model, mean and std over seeds; best seen during the run)",
+             "", *table(report["main"], ["variant", "ran", "final_mean", "final_std", "best_seen_mean", "tokens",
+                                          "rounds", "syncs", "bytes", "wall", "merges", "max_requested_batch",
+                                          "max_accumulation", "theorem2_bound"]), "",
+             "## To the target (mean over seeds; k/n: only k of n seeds reached it)", "",
+             *table(report["main"], ["variant", "tokens_to_target", "rounds_to_target", "syncs_to_target",
+                                      "bytes_to_target", "wall_to_target"]), ""]
+    for axis, label in AXES.items():
+        rows = [r for r in report["budgets"] if r["axis"] == axis]
+        if not rows:
+            continue
+        lines += [f"## At a matched budget of {rows[0]['budget']:.6g} {label}", "",
+                  *table(rows, ["variant", "metric_mean", "metric_std", "runs_ended_below_budget"]), ""]
+    lines += ["## Merges: the merged model against its members (every merge of every seed)", ""]
+    lines += (table(report["merges"], ["variant", "merges", "best_member_mean", "weighted_members_mean",
+                                        "after_mean", "after_vs_best_member_pct_mean",
+                                        "after_vs_best_member_pct_worst", "share_better_than_weighted"])
+              if report["merges"] else ["no merges"])
+    lines += ["", "ran: loader batch x accumulation steps actually run (first..last). final: the model the run "
+              "leaves in model_weights/final (after its last merge). At a matched budget: the metric of the best "
+              "model alive, interpolated between the last outer step at or under the budget and the next (log "
+              "scale for perplexity); runs_ended_below_budget counts seeds that stopped before it (their last "
+              "value is used). Budgets for rounds, syncs and bytes: the smallest total any communicating run "
+              "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
+              "benchmarks/theory.py.", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in plot(results, metric, out)]
+    if args.cluster:
+        lines += ["", *clock_report(results, metric, args)]
+    lines += ["", *network_report(results, metric, args, out)]
+    text = "\n".join(lines) + "\n"
+    (out / "comparison.md").write_text(text)
+    return text

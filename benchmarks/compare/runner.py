@@ -1,0 +1,123 @@
+"""Running the variants: each a run.py child process, a finished run with the same config reused, the warm start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.compare.options import ROOT, Options
+from utils.config import WHERE_KEYS, load_config
+from utils.errors import Interrupted
+from utils.run_state import in_use
+
+
+def resolved(config_path: str | Path, overrides: list[str]) -> dict:
+    """The config a run.py command line resolves to, as its config.yaml records it (cpu_capability auto:
+    the kernels torch uses here, which the harness's children inherit), without the keys that only place
+    files (WHERE_KEYS: a finished run is reused across them)."""
+    values = {k: v for k, v in load_config(config_path, overrides).to_dict().items() if k not in WHERE_KEYS}
+    if values.get("cpu_capability") == "auto":
+        import torch
+
+        values["cpu_capability"] = torch.backends.cpu.get_cpu_capability().lower()
+    return values
+
+
+def config_changes(run_dir: Path, wanted: dict) -> list[str]:
+    """How a finished run's config differs from the one asked for ('key: was -> now'); [] = the same."""
+    try:
+        had = resolved(run_dir / "config.yaml", [])
+    except Exception:  # unreadable, or keys of another version: not reusable
+        return ["config.yaml: unreadable"]
+    return [f"{k}: {had.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(had) | set(wanted))
+            if had.get(k) != wanted.get(k)]
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove a run directory to redo it, unless a live process holds it (another harness, a run.py)."""
+    holder = in_use(run_dir)
+    if holder:
+        raise SystemExit(f"error: {run_dir} is in use by {holder}; stop that run or use another --out")
+    shutil.rmtree(run_dir)
+
+
+def run_child(cmd: list[str], log_path: Path) -> int:
+    """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal (it
+    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training."""
+    with log_path.open("w") as log_file:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            return child.wait()
+        except BaseException as exc:
+            signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGTERM
+            if child.poll() is None:
+                child.send_signal(signum)
+                try:
+                    child.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+            raise
+
+
+def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: Path, extra: list[str]) -> Path:
+    """One variant and seed, run (or its finished run reused when its config is the same): its run directory."""
+    run_name = f"{name}_seed{seed}"
+    run_dir = out / "runs" / run_name
+    run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={out / 'runs'}",
+                f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
+                f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
+    if (run_dir / "summary.json").is_file() and not args.rerun:
+        changes = config_changes(run_dir, resolved(args.config, run_args))
+        if not changes:
+            return run_dir  # finished earlier with this very config: resume the comparison instead of redoing it
+        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+        print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
+    if run_dir.exists():
+        clear_run_dir(run_dir)
+    cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *run_args]
+    if run_child(cmd, out / "runs" / f"{run_name}.out") != 0:
+        raise SystemExit(f"variant {name} (seed {seed}) failed; see {out / 'runs' / f'{run_name}.out'}")
+    return run_dir
+
+
+def warm_start(args: Options, out: Path) -> list[str]:
+    """Phase 1 of the warm-start workflow: the overrides that start every variant from one pretrained model."""
+    if args.pretrain_config:
+        run_dir = out / "pretrain"
+        pretrain_args = [*args.pretrain_set, f"log_dir={out}", "run_name=pretrain", "clearml_mode=off",
+                         "save_weights_every=0"]
+        finished = (run_dir / "summary.json").is_file()
+        changes = config_changes(run_dir, resolved(args.pretrain_config, pretrain_args)) if finished else []
+        if changes:
+            print(f"phase 1: the pretrained start in {run_dir} was made with another config "
+                  f"({'; '.join(changes[:4])}); pretraining again")
+        if not finished or changes:
+            if run_dir.exists():
+                clear_run_dir(run_dir)
+            cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.pretrain_config, *pretrain_args]
+            print(f"phase 1: pretraining the shared start ({args.pretrain_config}) into {run_dir}")
+            if run_child(cmd, out / "pretrain.out") != 0:
+                raise SystemExit(f"error: --pretrain_config: phase 1 failed; see {out / 'pretrain.out'}")
+        init_from = run_dir
+    elif args.init_from:
+        init_from = Path(args.init_from)
+    else:
+        return []
+    model_dir = (init_from / "model_weights" / "final" / "final_model").resolve()
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"error: --init_from: {model_dir} holds no final model (config.json); give a finished "
+                         "run directory")
+    summary = json.loads((init_from / "summary.json").read_text()) if (init_from / "summary.json").is_file() else {}
+    print(f"warm start from {model_dir} ({summary.get('metric', 'metric')} {summary.get('final_metric', '?')} "
+          "on its own data)")
+    return [f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"]
+
+
+def shown(path: Path) -> str:
+    """A path as the report shows it: relative to the repository when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)

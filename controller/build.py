@@ -1,0 +1,197 @@
+"""Building the cluster from the config: nodes (and the memory probe), the streaming plan, the backend,
+what each sync weighs on the wire and the clock's throughput curve. Each builder is handed what it needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from algorithms.calc_batch import statistics_payload_bytes
+from algorithms.clock import ThroughputCurve
+from algorithms.outer_sync import OuterSync
+from algorithms.streaming import StreamingPlan
+from distributed.in_process import RoundBackend
+from distributed.protocol import Backend
+from fabrics.dataset_loader import CorpusData
+from fabrics.models import replicate
+from rounds import wire_size
+from trainers import Node
+from utils.config import Config
+from utils.errors import ConfigError, UserError
+from utils.max_batch_calculator import find_max_batch_size
+from utils.model_state import float_state
+from utils.throughput import cached_curve, device_kind, measure_curve
+
+log = logging.getLogger("cluster")
+
+
+def use_threads(cfg: Config) -> bool:
+    if cfg.node_execution != "auto":
+        return cfg.node_execution == "threads"
+    if cfg.compile:  # torch.compile is not thread-safe
+        return False
+    # Threads pay off when nodes sit on distinct accelerators; on CPU cores they only contend.
+    cuda = [d for d in cfg.device_names if d.startswith("cuda")]
+    return len(set(cuda)) > 1 and len(cuda) == len(cfg.device_names)
+
+
+def master_device_of(cfg: Config, node_devices: list[str]) -> str:
+    """master_device auto: the nodes' GPU when every node (of this process) is on the same one, else the CPU."""
+    if cfg.master_device == "cpu":
+        return "cpu"
+    devices = {str(torch.device(d if d != "cuda" else "cuda:0")) for d in node_devices}
+    return devices.pop() if len(devices) == 1 and next(iter(devices)).startswith("cuda") else "cpu"
+
+
+def _probe(cfg: Config, model: torch.nn.Module, make_optimizer, device: str, key: int, spec, data: CorpusData) -> int:
+    """The largest micro-batch a node of device `key` fits (utils/max_batch_calculator.py)."""
+    try:
+        return find_max_batch_size(
+            model, make_optimizer, device, cfg.seq_len, padding_percentage=cfg.padding_percentage,
+            nodes_per_gpu=cfg.nodes_per_gpu, device_memory_mb=spec.memory_mb or cfg.device_memory_mb,
+            upper=min(cfg.max_requested_batch, len(data.train)), num_cpu_devices=cfg.device_names.count("cpu"))
+    except UserError as exc:
+        if not spec.memory_mb or device.startswith("cuda"):
+            raise
+        raise ConfigError(f"devices[{key}].memory_mb", f"{spec.memory_mb:g} MiB: not even one "
+                          "sequence fits a node of this device; raise it (or padding_percentage), "
+                          "or lower nodes_per_gpu or seq_len") from exc
+
+
+def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_optimizer, precision, stop_event,
+                resume_state: dict | None, dist_env=None) -> list[Node]:
+    """devices x nodes_per_gpu nodes, each with its max batch: from the checkpoint (as decided in the first run),
+    max_batch_size, or the memory probe (once per device; under torchrun each process probes its own)."""
+    nodes: list[Node] = []
+    local = None if dist_env is None else dist_env.rank
+    probed: dict[int, int] = {}
+    for key, spec in enumerate(cfg.device_specs):
+        for _ in range(cfg.nodes_per_gpu):
+            node_id = len(nodes)
+            mine = local is None or node_id == local
+            device = spec.device
+            if local is not None and mine:
+                from distributed.torchrun import device_of
+
+                device = device_of(cfg, dist_env)  # cuda:LOCAL_RANK on a multi-GPU machine
+            if resume_state is not None:
+                max_batch = resume_state["nodes"][node_id]["max_batch"]
+            elif cfg.max_batch_size:
+                max_batch = cfg.max_batch_size
+            elif not mine:
+                max_batch = 0  # probed by its own process, shared below
+            else:
+                if key not in probed:
+                    probed[key] = _probe(cfg, model, make_optimizer, device, key, spec, data)
+                max_batch = probed[key]
+            replica = replicate(model, device) if mine else None  # other processes hold the other nodes
+            node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile)
+            node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event
+            nodes.append(node)
+    if local is not None and not (resume_state is not None or cfg.max_batch_size):
+        import torch.distributed as dist
+
+        found: list = [None] * len(nodes)
+        dist.all_gather_object(found, nodes[local].max_batch)
+        for node, max_batch in zip(nodes, found):
+            node.max_batch = max_batch
+    log.info("nodes: %s", ", ".join(f"{n.node_id}@{n.device} (max batch {n.max_batch})" for n in nodes))
+    return nodes
+
+
+def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingPlan | None:
+    """Streaming DiLoCo (sync_fragments, sync_delay): the fragments and their schedule; None without it."""
+    if not (cfg.sync_fragments > 1 or cfg.sync_delay > 0):
+        return None
+    numels = {k: v.numel() for k, v in initial.items()}
+    try:
+        plan = StreamingPlan.build(list(initial), numels, cfg.num_inner_steps, cfg.sync_fragments, cfg.sync_delay,
+                                   cfg.fragment_alpha)
+    except ValueError as exc:
+        raise ConfigError("sync_fragments", f"{cfg.sync_fragments}: {exc}") from None
+    shared = {}
+    for f, names in enumerate(plan.fragments):
+        for name in names:
+            other = shared.setdefault(initial[name].data_ptr(), f)
+            if other != f:
+                raise ConfigError("sync_fragments", f"{name} shares its storage with a tensor of fragment "
+                                  f"{other} (tied weights): use sync_fragments: 1")
+    log.info("streaming: %d fragments of %s tensors; sends/landings after inner steps %s",
+             len(plan.fragments), "/".join(str(len(f)) for f in plan.fragments),
+             ", ".join(f"{'land' if e.lands else 'send'} {e.fragment}@{e.step}" for e in plan.events))
+    return plan
+
+
+def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, within_node: bool, master_device: str,
+                  sync: OuterSync, statistics_wire: torch.dtype, streaming: StreamingPlan | None, sample_numel: int,
+                  dist_env=None) -> Backend:
+    """In this process (RoundBackend), or one node per torchrun process (DistributedBackend)."""
+    if dist_env is None:
+        return RoundBackend(nodes, use_threads(cfg), within_node, master_device, sync, statistics_wire, streaming,
+                            cfg.inner_steps_by_speed)
+    from distributed import torchrun
+    from distributed.backend import DistributedBackend
+
+    floats = float_state(model)
+    shapes = {k: v.shape for k, v in floats.items()}
+    return DistributedBackend(nodes, dist_env.rank, sorted(floats), shapes, sample_numel, within_node,
+                              torchrun.comm_device(cfg, dist_env), torchrun.store(), master_device, statistics_wire,
+                              sync, streaming, cfg.inner_steps_by_speed)
+
+
+@dataclasses.dataclass(frozen=True)
+class WireSizes:
+    """What travels, in bytes (docs/communication.md, "Communication accounting")."""
+    param_bytes: int  # one trainer's fp32 weights (P)
+    sync_bytes: int  # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
+    fragment_bytes: tuple[int, ...]  # streaming: one collective per fragment, each payload with its count/flag
+    statistics_bytes: int  # one node's batch-test statistics
+
+    @classmethod
+    def of(cls, initial: dict[str, torch.Tensor], sync: OuterSync, streaming: StreamingPlan | None,
+           sample_numel: int, within_node: bool, statistics_wire: torch.dtype) -> WireSizes:
+        param_bytes = sum(v.numel() * 4 for v in initial.values())
+        numels = {k: v.numel() for k, v in initial.items()}
+        fragments = () if streaming is None else tuple(
+            wire_size(sync, sum(numels[n] for n in names)) * (4 if sync.exact else 1) for names in streaming.fragments)
+        return cls(param_bytes, sync.payload_bytes(param_bytes // 4), fragments,
+                   statistics_payload_bytes(sample_numel, within_node, statistics_wire))
+
+
+def throughput_curve(cfg: Config, nodes: list[Node], model: torch.nn.Module, make_optimizer, precision,
+                     resume_state: dict | None, dist_env=None) -> ThroughputCurve:
+    """config throughput: flat, measured (cached) or a file; a resumed run keeps its own curve."""
+    saved = (resume_state or {}).get("clock")
+    if saved:
+        return ThroughputCurve(tuple((int(b), int(a), float(v)) for b, a, v in saved["curve"]), saved["curve_source"])
+    if cfg.throughput == "flat":
+        return ThroughputCurve.flat(cfg.node_tokens_per_s)
+    largest = max(n.max_batch for n in nodes)
+    if cfg.throughput != "measured":
+        curve = ThroughputCurve.load(cfg.throughput)
+        if curve.largest_micro_batch < largest:
+            worst = max(nodes, key=lambda n: n.max_batch)
+            raise ConfigError("throughput", f"{cfg.throughput} covers micro-batches up to "
+                              f"{curve.largest_micro_batch} (accumulation 1), but node {worst.node_id}'s max batch "
+                              f"is {largest}: measure the curve up to it (benchmarks.system --curve)")
+        return curve
+    curve = None
+    node = nodes[0 if dist_env is None else dist_env.rank]
+    if dist_env is None or dist_env.is_main:  # one measurement, shared: every rank decides alike
+        key = {"device": device_kind(node.device), "model": cfg.model_config.name, "seq_len": cfg.seq_len,
+               "precision": cfg.precision, "largest": largest, "algorithm": cfg.distributed_algo}
+        curve, path = cached_curve(Path(cfg.cache_dir), key, lambda: measure_curve(
+            model, make_optimizer, node.device, cfg.seq_len, largest,
+            autocast=lambda: precision.autocast(node.device)))
+        log.info("throughput: measured curve %s: %s", path, ", ".join(
+            f"{b}x{a}: {v:.0f}" for b, a, v in curve.points if a == 1))
+    if dist_env is not None:
+        import torch.distributed as dist
+
+        box = [curve]
+        dist.broadcast_object_list(box, src=0)
+        curve = box[0]
+    return curve

@@ -1,0 +1,262 @@
+"""The round driver: one outer step for every trainer (jobs, the round on the backend, faults, outer steps,
+evaluation, batch tests) and the merges. It logs nothing: it returns records of what happened (RoundRecord,
+the merge event), which the controller hands to the logger in one place."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+
+from algorithms.assignment import assign_nodes, node_counts
+from algorithms.clock import NodeWork
+from algorithms.outer_sync import OuterSync
+from controller.build import WireSizes
+from controller.clock_feed import ClockFeed
+from controller.state import STALE, ClusterState
+from distributed.protocol import Backend
+from fabrics.eval_tool import EvalResult, Evaluator
+from rounds import NodeFault, RoundResult
+from trainers import Node, NodeJob, RoundAbandoned, Trainer
+from utils.config import Config
+from utils.errors import TrainingFault
+
+log = logging.getLogger("cluster")
+
+
+@dataclasses.dataclass
+class RoundRecord:
+    """What one outer step did, as the logger writes it (filled as the step goes: a step that raises keeps
+    what it did before, and the controller still logs that)."""
+    outer_step: int
+    comm: dict | None = None  # torchrun: what this rank's collectives cost (metrics.jsonl)
+    faults: list[dict] = dataclasses.field(default_factory=list)  # fault_events.csv
+    step_losses: list[dict] | None = None  # step_losses.csv (None: the step failed before its round ended)
+    node_times: list[dict] | None = None  # node_clock.csv (None: the step failed before the clock saw it)
+    rows: list[dict] = dataclasses.field(default_factory=list)  # training_log.csv, one per trainer
+
+
+@dataclasses.dataclass
+class Policies:
+    """The paper's decisions, picked by config strings from the registries in algorithms/."""
+    batch_test: Callable
+    switch_mode: object
+    merge_policy: object
+
+
+class RoundDriver:
+    def __init__(self, cfg: Config, nodes: list[Node], state: ClusterState, backend: Backend, clock: ClockFeed,
+                 evaluator: Evaluator, policies: Policies, sizes: WireSizes, outer_sync: OuterSync,
+                 merge_sync: OuterSync, streaming: bool, grad_chunks: int, tokens_per_sequence) -> None:
+        self.cfg, self.nodes, self.state, self.backend, self.clock = cfg, nodes, state, backend, clock
+        self.evaluator, self.policies, self.sizes = evaluator, policies, sizes
+        self.outer_sync, self.merge_sync, self.streaming = outer_sync, merge_sync, streaming
+        self.grad_chunks, self.tokens_per_sequence = grad_chunks, tokens_per_sequence
+        self.injected = cfg.injected_faults()
+        self.round_window: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
+        self.record = RoundRecord(0)
+
+    @property
+    def trainers(self) -> dict[int, Trainer]:
+        return self.state.trainers
+
+    def evaluate(self, trainer_ids) -> dict[int, EvalResult]:
+        holders = {t: (self.state.holder(t), self.trainers[t].master) for t in trainer_ids}
+        return self.backend.evaluate(holders, self.evaluator)
+
+    # -------------------------------------------------------------------------------------------
+    def jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
+        """This round's node jobs, and the moves (trainer, from node, to node) that must come first. Nodes away
+        this round (node_schedule) get no job; one that comes back joins as a new node would."""
+        state, schedule = self.state, self.clock.schedule
+        requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
+        present = schedule.present(outer_step, len(self.nodes))
+        away = sorted(set(state.owner) - set(present))
+        for node_id in away:
+            state.owner[node_id] = None  # its inner optimizer state is stale when it comes back
+            state.continues[node_id] = None
+        for change in schedule.changes(outer_step):
+            log.info("outer step %d: %s", outer_step, change)
+        assignment = assign_nodes(node_counts(requested, len(present)), {n: state.owner[n] for n in present})
+        slowdown = schedule.slowdown(outer_step)
+        jobs, moves = [], []
+        self.clock.round_work = {}
+        sources = {t: state.holder(t) for t in assignment}  # before this round changes holds
+        for node_id in away:  # it may hand its state on now; its copy goes stale as its trainer trains on
+            state.holds[node_id] = STALE
+        for t in sorted(assignment):
+            trainer = self.trainers[t]
+            version = (t, trainer.weights_version)
+            shapes = {n: self.policies.switch_mode.decide(trainer.requested_batch, self.nodes[n].max_batch)
+                      for n in assignment[t]}
+            inner_steps = self.clock.inner_steps(assignment[t], shapes, slowdown)
+            for node_id in assignment[t]:
+                moved = state.holds[node_id] not in (None, version)
+                if moved:
+                    state.traffic.node_move(trainer.transfer_bytes())  # the node receives this trainer's state
+                    moves.append((t, sources[t], node_id))
+                state.holds[node_id] = version
+                loader_batch, accumulation = shapes[node_id]
+                steps = inner_steps[node_id]
+                indices = trainer.sampler.take(steps * accumulation * loader_batch).view(steps, accumulation,
+                                                                                         loader_batch)
+                jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
+                                    reset_optimizer=state.owner[node_id] != t,
+                                    inject_fault=self.injected.get((outer_step, node_id), ""),
+                                    keep_local=self.streaming and state.continues[node_id] == version))
+                tokens = float(self.tokens_per_sequence[indices.reshape(-1)].sum())
+                self.clock.work(t, NodeWork(node_id, tokens, loader_batch, accumulation,
+                                            trainer.transfer_bytes() if moved else 0))
+        for t, node_ids in assignment.items():
+            for node_id in node_ids:
+                state.owner[node_id] = t
+        return jobs, moves
+
+    def _handle_faults(self, outer_step: int, faults: list[NodeFault], before: dict, any_result: bool) -> None:
+        """on_node_fault: stop -> back to the last good state and raise; skip -> log, reset the failed nodes."""
+        action = self.cfg.on_node_fault if any_result else "stop"
+        self.record.faults = [{"outer_step": outer_step, "trainer_id": f.trainer_id, "node_id": f.node_id,
+                               "kind": f.kind, "action": action, "message": f.message} for f in faults]
+        first = faults[0]
+        where = f"outer step {outer_step}, trainer {first.trainer_id}, node {first.node_id}: {first.message}"
+        more = f" (and {len(faults) - 1} more node faults)" if len(faults) > 1 else ""
+        if action == "stop":
+            self.state.restore(before)
+            reason = "" if any_result or self.cfg.on_node_fault == "stop" else "every node failed; "
+            raise TrainingFault(f"node fault at {where}{more}; {reason}stopped (on_node_fault: stop)")
+        for f in faults:  # the node's inner state is whatever the failure left: back to the round's start
+            self.nodes[f.node_id].load_optimizer_state(before["optimizers"][f.node_id])
+        log.warning("node fault at %s%s; its contribution is dropped (on_node_fault: skip)", where, more)
+
+    def run(self, outer_step: int) -> RoundRecord:
+        """One round for every trainer, outer steps, evaluation, batch tests: the step's record."""
+        self.record = record = RoundRecord(outer_step)
+        before = self.state.snapshot()
+        jobs, moves = self.jobs(outer_step)
+        # (loader_batch, accumulation_steps) each node ran, read off its job's index tensor
+        plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
+        try:
+            with self.round_window(outer_step):
+                self.backend.transfer(moves, self.trainers)
+                results, faults = self.backend.run_round(jobs, self.trainers)
+        except RoundAbandoned:
+            self.state.restore(before)
+            raise
+        record.comm = self.backend.take_round_comm()
+        if faults:
+            self._handle_faults(outer_step, faults, before, any_result=bool(results))
+        record.step_losses = [
+            {"outer_step": outer_step, "trainer_id": t, "node_id": node, "inner_step": i, "loss": f"{loss:.6g}",
+             "micro_batch": plan[node][0], "accumulation_steps": plan[node][1], "learning_rate": res.learning_rate}
+            for t, res in sorted(results.items()) for node, losses in sorted(res.node_step_losses.items())
+            for i, loss in enumerate(losses)]
+        self.state.traffic.rounds += 1
+        self.state.tokens_total += sum(res.tokens for res in results.values())
+        self._outer_steps(outer_step, results)
+        clock, record.node_times = self.clock.round(outer_step, jobs, results)
+        if self.streaming:  # the good nodes' own weights go on next round, if their trainer stays the same
+            for f in faults:
+                self.state.continues[f.node_id] = None
+            for t, res in results.items():
+                for node_id in res.nodes:
+                    self.state.continues[node_id] = (t, self.trainers[t].weights_version)
+        trainer_ids = sorted({j.trainer_id for j in jobs})
+        evaluations = self.evaluate(trainer_ids)
+        for t in trainer_ids:
+            if t not in results:  # every node of this trainer failed: it keeps its weights this round
+                node_ids = [j.node_id for j in jobs if j.trainer_id == t]
+                record.rows.append(self._failed_row(outer_step, t, plan[node_ids[0]], evaluations[t], clock[t]))
+            else:
+                record.rows.append(self._row(outer_step, t, results[t], plan, evaluations[t], clock[t]))
+        return record
+
+    def _outer_steps(self, outer_step: int, results: dict[int, RoundResult]) -> None:
+        """Each trainer's outer step on its nodes' mean; a failed one anywhere stops every process."""
+        failed = {}
+        for t, res in sorted(results.items()):
+            if res.outer_error:  # streaming: a fragment's outer step, during the round
+                failed[t] = FloatingPointError(res.outer_error)
+            if res.node_mean is None:  # torchrun: this process is not one of t's nodes (it gets t when it joins);
+                continue  # streaming: the fragments stepped during the round
+            try:
+                self.trainers[t].outer_step(res.node_mean)
+            except FloatingPointError as exc:
+                failed[t] = exc
+        if self.backend.agree(bool(failed)):  # earlier trainers already stepped: this state is not checkpointed
+            detail = f"trainer {min(failed)}: {failed[min(failed)]}" if failed else "in another process"
+            fault = TrainingFault(f"fault at outer step {outer_step}, {detail}")
+            fault.state_is_good = False
+            raise fault
+
+    def _failed_row(self, outer_step: int, t: int, shape: tuple[int, int], evaluation: EvalResult,
+                    clock: dict) -> dict:
+        trainer = self.trainers[t]
+        return {"outer_step": outer_step, "trainer_id": t, "nodes": "", "num_nodes": 0,
+                "requested_batch": trainer.requested_batch, "loader_batch": shape[0], "accumulation_steps": shape[1],
+                "optimizer_steps": trainer.stats.optimizer_steps, "tokens_seen": trainer.stats.tokens_seen,
+                "global_tokens": self.state.tokens_total, "train_loss": math.nan, **evaluation.metrics,
+                "next_requested_batch": trainer.requested_batch, **clock}
+
+    def _row(self, outer_step: int, t: int, res: RoundResult, plan: dict, evaluation: EvalResult,
+             clock: dict) -> dict:
+        """The traffic of a trainer's sync, the batch test's decision and the trainer's row."""
+        trainer, state, sizes = self.trainers[t], self.state, self.sizes
+        requested_before = trainer.requested_batch
+        for payload in sizes.fragment_bytes if self.streaming else [sizes.sync_bytes]:
+            state.traffic.trainer_sync(len(res.nodes), payload, gathered=not self.outer_sync.exact)
+        if res.statistics is not None:
+            state.traffic.statistics(len(res.nodes), sizes.statistics_bytes)
+        state.seen(evaluation.value, self.evaluator.higher_is_better)
+        self.clock.reached(evaluation.value, clock["sim_time_s"])
+        decision = self.policies.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),
+                                            tokens_seen=state.tokens_total)
+        trainer.requested_batch = decision.requested_batch
+        s = trainer.stats
+        s.sync_number += 1
+        s.optimizer_steps += res.optimizer_steps
+        s.tokens_seen += res.tokens
+        loader_batch, accumulation = plan[res.nodes[0]]
+        return {"outer_step": outer_step, "trainer_id": t, "nodes": " ".join(map(str, res.nodes)),
+                "num_nodes": len(res.nodes), "requested_batch": requested_before, "loader_batch": loader_batch,
+                "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
+                "tokens_seen": s.tokens_seen, "global_tokens": state.tokens_total, "train_loss": res.train_loss,
+                **evaluation.metrics, "next_requested_batch": decision.requested_batch, **decision.stats, **clock}
+
+    # -------------------------------------------------------------------------------------------
+    def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
+        """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
+        policy, state = self.policies.merge_policy, self.state
+        if not policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
+            return None
+        requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
+        plan = policy.plan(requested)
+        survivor = self.trainers[plan.survivor]
+        others = [self.trainers[m] for m in plan.members[1:]]
+        # the absorbed states travel to the survivor's first node, which computes the average
+        coordinator = min((n for n, t in state.owner.items() if t == plan.survivor),
+                          default=state.holder(plan.survivor))
+        moved = sum(self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others)
+        self.backend.transfer([(m, state.holder(m), coordinator) for m in plan.members[1:]], self.trainers,
+                              compression=self.merge_sync)
+        survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used
+        for other in others:
+            del self.trainers[other.trainer_id]
+            survivor.stats.tokens_seen += other.stats.tokens_seen
+            survivor.stats.optimizer_steps += other.stats.optimizer_steps
+        state.traffic.merge(moved)
+        ready = self.clock.merge(plan.survivor, list(plan.members),
+                                 [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others])
+        state.holds[coordinator] = (plan.survivor, survivor.weights_version)  # the others receive it when they start
+        after = self.evaluate([plan.survivor])[plan.survivor].value  # does averaging hurt? measured, not assumed
+        state.seen(after, self.evaluator.higher_is_better)
+        self.clock.reached(after, ready)
+        return {"outer_step": outer_step, "survivor": plan.survivor,
+                "merged": " ".join(map(str, plan.members[1:])),
+                "weights": " ".join(f"{w:.4f}" for w in plan.weights),
+                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": moved,
+                "metric": self.evaluator.metric,
+                "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
+                "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
+                "metric_after": after, "sim_time_s": ready}

@@ -1,0 +1,118 @@
+"""The in-process backend (distributed/protocol.py): every node of the cluster runs in this process.
+
+Nodes run as threads or in a loop (node_execution); a trainer's state is always here, so transfers move
+nothing (Traffic counts what a real cluster would send).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from algorithms.outer_sync import OuterSync
+from algorithms.streaming import StreamingPlan
+from distributed.streamed import LEFT, streamed_round
+from fabrics.eval_tool import Evaluator
+from rounds import NodeFault, RoundResult, advance, combine, run_node, sum_wires
+from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
+
+
+class RoundBackend:
+    """Runs the jobs of one round on their nodes and combines the good results per trainer.
+
+    A node that raises or ends its round with non-finite numbers is reported as a NodeFault and left out
+    of its trainer's mean; a stop request (RoundAbandoned) is raised once every node has left its round.
+    """
+
+    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu",
+                 sync: OuterSync | None = None, statistics_wire: torch.dtype = torch.float64,
+                 streaming: StreamingPlan | None = None, by_tokens: bool = False) -> None:
+        self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
+        self.by_tokens = by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens
+        self.sync, self.statistics_wire = sync or OuterSync(), statistics_wire
+        self.streaming = streaming  # sync_fragments / sync_delay: the fragments and their schedule
+        self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
+
+    def _map(self, fn, items: list) -> list:
+        """fn over items on the node threads (or in a loop); a stop is raised once every call has returned."""
+        if self.pool is None:
+            return [fn(item) for item in items]
+        futures = [self.pool.submit(fn, item) for item in items]
+        outcomes, abandoned = [], None
+        for future in futures:  # wait for every node, so none is still writing when we go on
+            try:
+                outcomes.append(future.result())
+            except RoundAbandoned as exc:
+                abandoned = exc
+        if abandoned is not None:
+            raise abandoned
+        return outcomes
+
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None
+                  ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+        if self.streaming is not None:
+            return self._run_streaming(jobs, trainers)
+        outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
+        faults = [o for o in outcomes if isinstance(o, NodeFault)]
+        masters = {j.trainer_id: j.master for j in jobs}
+        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
+                       self.statistics_wire, self.sync, masters, by_tokens=self.by_tokens), faults
+
+    def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
+        """A Streaming DiLoCo round (distributed/streamed.py); a stop leaves it at once, every node together."""
+        ended, errors = streamed_round(
+            self.streaming, self.sync, self.nodes, jobs, trainers, _Wires(self.sync, self.master_device),
+            lambda ids, steps, job_of: self._map(lambda n: advance(steps[n], job_of[n]), ids))
+        outcomes = [o for o in ended.values() if o is not LEFT]
+        combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
+                           self.statistics_wire, self.sync, streamed=True)
+        for t, message in errors.items():
+            if t in combined:
+                combined[t].outer_error = message
+        return combined, [o for o in outcomes if isinstance(o, NodeFault)]
+
+    def agree(self, flag: bool) -> bool:
+        """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""
+        return flag
+
+    def gather_optimizer_states(self, local: list) -> list:
+        return local
+
+    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",
+                 compression: OuterSync | None = None) -> None:
+        """Every trainer's state is in this process: nothing travels (Traffic counts what would). A lossy
+        `compression` (merge_compression) still changes the state as its receiver would decode it."""
+        if compression is None or compression.exact:
+            return
+        for t, source, target in moves:
+            if source != target:
+                trainers[t].load_transfer(compression.round_trip(trainers[t].transfer_tensors()))
+
+    def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator: Evaluator) -> dict:
+        return {t: evaluator.evaluate(weights) for t, (_, weights) in holders.items()}
+
+    def take_round_comm(self) -> dict | None:
+        return None
+
+    def total_sent(self) -> dict[str, int] | None:
+        return None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+class _Wires:
+    """A fragment's wires in this process: the good nodes' kept at the send, summed (exact) at the landing."""
+
+    def __init__(self, sync: OuterSync, device: str) -> None:
+        self.sync, self.device = sync, device
+
+    def start(self, trainer_id: int, wires: list[torch.Tensor | None], numel: int) -> list[torch.Tensor]:
+        return [w for w in wires if w is not None]
+
+    def land(self, wires: list[torch.Tensor]):
+        if not wires:
+            return None
+        return sum_wires(wires, self.device) if self.sync.exact else wires

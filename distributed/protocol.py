@@ -1,0 +1,48 @@
+"""The contract between the controller and a backend: what crosses nodes, and nothing else.
+
+The controller (cluster.py) takes every decision; a backend executes what crosses nodes. Two implement
+it, side by side in this folder: `in_process.RoundBackend` (every node in this process, threads or a loop)
+and `backend.DistributedBackend` (one node per torchrun process, collectives). rounds.py, algorithms/,
+trainers.py and `streamed.py` (a Streaming DiLoCo round) are the same for both.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from algorithms.outer_sync import OuterSync
+from fabrics.eval_tool import EvalResult, Evaluator
+from rounds import NodeFault, RoundResult
+from trainers import NodeJob, Trainer
+
+
+class Backend(Protocol):
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer]
+                  ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+        """One round of node jobs, combined per trainer (the mean of its good nodes' weights in fp32, summed in
+        node-id order, so the result never depends on timing); the nodes that failed, as faults."""
+
+    def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",
+                 compression: OuterSync | None = None) -> None:
+        """(trainer, from node, to node): a trainer's state travelling to a node that does not hold it."""
+
+    def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator: Evaluator
+                 ) -> dict[int, EvalResult]:
+        """trainer -> (a node holding it, its weights): each trainer evaluated where its state is."""
+
+    def agree(self, flag: bool) -> bool:
+        """A flag that is true everywhere once it is true anywhere (a stop request, a failed outer step)."""
+
+    def gather_optimizer_states(self, local: object) -> list:
+        """Every node's piece of per-node state (its inner optimizer, residual, weights), in node order."""
+
+    def take_round_comm(self) -> dict | None:
+        """What the collectives since the last call cost (seconds, bytes by kind); None in one process."""
+
+    def total_sent(self) -> dict[str, int] | None:
+        """Bytes all processes' collectives sent over the run, by kind; None in one process."""
+
+    def close(self) -> None:
+        """Release threads and groups."""

@@ -1,0 +1,89 @@
+"""A Streaming DiLoCo round (algorithms/streaming.py), written once for both backends.
+
+Every node of this process runs to each send or landing of the plan. At a send each live node's fragment
+wire goes to its trainer's `FragmentTransport` (a node that failed or left the round contributes nothing);
+at the landing the transport hands back what arrived, the trainer steps its fragment and mixes it into its
+live nodes. In one process the transport keeps the wires and sums them at the landing; under torchrun it
+launches an asynchronous collective at the send and waits for it at the landing, the node training on in
+between. Both see the same wires in the same (node-id) order, so both give the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from algorithms.outer_sync import OuterSync
+from algorithms.streaming import StreamingPlan, mix_fragment
+from rounds import NodeFault, fragment_average, fragment_fault, send_fragment
+from trainers import Node, NodeJob, NodeResult, Trainer
+from utils.model_state import float_state
+
+LEFT = "left"  # a node that left the round on a stop request (torchrun: it still takes part in collectives)
+
+
+class FragmentTransport(Protocol):
+    """How one fragment's wires travel between a trainer's nodes."""
+
+    def start(self, trainer_id: int, wires: list[torch.Tensor | None], numel: int) -> object:
+        """Launch the fragment's exchange; wires: this process's nodes of the trainer, in node-id order
+        (None: that node contributes nothing). Returns a handle for `land`."""
+
+    def land(self, handle: object) -> list[torch.Tensor] | torch.Tensor | None:
+        """What arrived, as `rounds.fragment_average` reads it; None when nothing can arrive."""
+
+
+def streamed_round(plan: StreamingPlan, sync: OuterSync, nodes: list[Node], jobs: list[NodeJob],
+                   trainers: dict[int, Trainer], transport: FragmentTransport,
+                   run_nodes: Callable[[list[int], dict, dict], list]) -> tuple[dict, dict[int, str]]:
+    """Run this process's `jobs` through one streamed round.
+
+    run_nodes(node_ids, round_steps, job_of): advance those nodes to their next pause (`rounds.advance`), returning
+    each one's outcome (a pause's step count, its result, its fault, or LEFT).
+    Returns ({node: NodeResult | NodeFault | LEFT} for every node, {trainer: outer-step error})."""
+    job_of = {j.node_id: j for j in jobs}
+    members = {t: sorted(j.node_id for j in jobs if j.trainer_id == t) for t in sorted({j.trainer_id for j in jobs})}
+    round_steps = {j.node_id: nodes[j.node_id].steps(j, plan.pauses) for j in jobs}
+    numels = {n: v.numel() for n, v in next(iter(trainers.values())).master.items()}
+    spans, total = plan.offsets(numels), sum(numels.values())
+    ended: dict[int, NodeResult | NodeFault | str] = {}  # a node's result, fault, or LEFT: it left the round
+    in_flight: dict[int, dict[int, object]] = {}  # fragment -> trainer -> the transport's handle
+    errors: dict[int, str] = {}
+    for step in [*plan.pauses, None]:  # None: on to the end of the round
+        live = [n for n in sorted(round_steps) if n not in ended]
+        for node_id, out in zip(live, run_nodes(live, round_steps, job_of)):
+            if not isinstance(out, int):
+                ended[node_id] = out
+        if step is None:
+            break
+        for event in plan.events_at(step):
+            f, names = event.fragment, plan.fragments[event.fragment]
+            if not event.lands:
+                in_flight[f] = {}
+                for t, node_ids in members.items():
+                    wires = []
+                    for node_id in node_ids:
+                        fault = None if node_id in ended else fragment_fault(nodes[node_id], job_of[node_id], names)
+                        if fault is not None:
+                            ended[node_id] = fault
+                        wires.append(None if node_id in ended else send_fragment(
+                            nodes[node_id], trainers[t].master, names, spans[f], total, sync))
+                    in_flight[f][t] = transport.start(t, wires, sum(numels[n] for n in names))
+                continue
+            for t, handle in in_flight.pop(f).items():
+                arrived = transport.land(handle)
+                master = trainers[t].master
+                mean = None if t in errors or arrived is None else fragment_average(sync, master, names, arrived)
+                if mean is None:
+                    continue
+                try:
+                    trainers[t].outer_step(mean)
+                except FloatingPointError as exc:
+                    errors[t] = str(exc)
+                    continue
+                for node_id in members[t]:
+                    if node_id not in ended:
+                        mix_fragment(float_state(nodes[node_id].model), master, names, plan.alpha)
+    return ended, errors
