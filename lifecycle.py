@@ -137,9 +137,12 @@ class RunSession:
         self.logger.finish(summary)
         if self.writes:  # while the lock is held: nothing of this run is written after another may take the directory
             write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-            write_status(run_dir, "completed", exit_code=0, outer_step=summary["outer_steps"],
-                         checkpoint=str(run_dir / "model_weights" / "final"), resumable=False,
-                         final_metric=summary["final_metric"])
+            final = run_dir / "model_weights" / "final"
+            extendable = final_resumable(final)
+            write_status(run_dir, "completed", exit_code=0, outer_step=summary["outer_steps"], checkpoint=str(final),
+                         resumable=False, extendable=extendable, final_metric=summary["final_metric"],
+                         message=f"completed; `python run.py --resume {run_dir} num_outer_steps=N` (N > "
+                         f"{summary['outer_steps']}) trains it on" if extendable else "completed")
         log.info("final model: trainer %d, %s %.4g (start %.4g); %s, %s, accumulation used: %s; %s, %s, %.1f "
                  "MB communicated; %.0f s", summary["final_trainer"], summary["metric"], summary["final_metric"],
                  summary["initial_metric"], plural(summary["merges"], "merge"),
@@ -282,6 +285,16 @@ def record_ending(run_dir: Path, exc: BaseException) -> None:
     if state == "stopped":
         fields["signal"] = signal_name(code - 128)
     write_status(run_dir, state, **fields)
+
+
+def final_resumable(final: Path) -> bool:
+    """Whether a completed run's final checkpoint holds the state a --resume with more outer steps needs."""
+    from utils.checkpoint import MANIFEST
+
+    try:
+        return bool(json.loads((final / MANIFEST).read_text()).get("resumable"))
+    except (OSError, ValueError):
+        return False
 
 
 def log_path() -> str | None:

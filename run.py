@@ -129,6 +129,9 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     request_cpu_kernels(cfg)  # for direct callers; main() has done it before torch was imported
     cfg = resolve_cpu_kernels(cfg)
     check_before_work(cfg, resuming=resume is not None)  # model, data paths, run_name: before any data work
+    from utils.cache import forget_refusals
+
+    forget_refusals()  # each run says once if its cache_dir cannot be written (utils/cache.py)
     # Heavy imports after validation, so config errors come back instantly.
     from cluster import ClusterController
     from fabrics.corpus import load_corpus

@@ -96,7 +96,35 @@ class ThroughputCurve:
             raise ValueError(f"{source}: no point has accumulation 1")
         if len({(b, a) for b, a, _ in out}) != len(out):
             raise ValueError(f"{source}: a (micro_batch, accumulation) pair appears twice")
-        return cls(tuple(sorted(out)), source)
+        flat = data.get("flat", False)
+        if not isinstance(flat, bool) or (flat and len(out) != 1):
+            raise ValueError(f"{source}: \"flat\": true marks a file of exactly one point (one tokens/s at every "
+                             f"batch); this one has {len(out)}")
+        if len(out) == 1 and not flat:  # one point would silently cover every batch, however large
+            (b, a, v), = out
+            raise ValueError(f"{source}: one point (micro-batch {b}) says nothing about other batches: measure more "
+                             "(python -m benchmarks.system --curve), or add \"flat\": true to the file to use its "
+                             f"{v:g} tokens/s at every batch")
+        return cls(tuple(sorted(out)), f"{source} (flat, {out[0][2]:g} tokens/s)" if flat else source)
+
+    SHAPE_TOLERANCE = 0.02  # measurements are noisy: only departures beyond 2% are named
+
+    def shape_problems(self) -> list[str]:
+        """Where the curve is not what a throughput curve is (AdaptDL's goodput tests assert both): tokens/s that
+        fall as the micro-batch grows, or a curve that is not concave (a point below its neighbours' chord)."""
+        tol, out = self.SHAPE_TOLERANCE, []
+        for level in sorted({a for _, a, _ in self.points}):
+            row = sorted((b, v) for b, a, v in self.points if a == level)
+            for (b0, v0), (b1, v1) in zip(row, row[1:]):
+                if v1 < v0 * (1 - tol):
+                    out.append(f"falls from micro-batch {b0} to {b1} ({v0:.0f} -> {v1:.0f} tokens/s, accumulation "
+                               f"{level})")
+            for (b0, v0), (b1, v1), (b2, v2) in zip(row, row[1:], row[2:]):
+                chord = v0 + (v2 - v0) * (b1 - b0) / (b2 - b0)
+                if v1 < chord * (1 - tol):
+                    out.append(f"is not concave at micro-batch {b1} ({v1:.0f} tokens/s, below the {chord:.0f} of the "
+                               f"chord from {b0} to {b2}, accumulation {level})")
+        return out
 
     @classmethod
     def load(cls, path: str | Path) -> ThroughputCurve:

@@ -186,7 +186,7 @@ def throughput_curve(cfg: Config, nodes: list[Node], model: torch.nn.Module, mak
         curve, path = cached_curve(Path(cfg.cache_dir), key, lambda: measure_curve(
             model, make_optimizer, node.device, cfg.seq_len, largest,
             autocast=lambda: precision.autocast(node.device)))
-        log.info("throughput: measured curve %s: %s", path, ", ".join(
+        log.info("throughput: measured curve %s: %s", path or "(not cached)", ", ".join(
             f"{b}x{a}: {v:.0f}" for b, a, v in curve.points if a == 1))
     if dist_env is not None:
         import torch.distributed as dist

@@ -9,15 +9,16 @@ is never installed or imported. Set ADLOCO_EXLLAMAV2_WHEEL to a local copy of th
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import datasets
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from utils import cache
 from utils.config import Config
 from utils.errors import DataError
 
@@ -55,26 +57,29 @@ def fetch_wheel(cache_dir: Path) -> Path:
         return path
     target = cache_dir / "wheels" / WHEEL_NAME
     if target.is_file() and _sha256(target) == WHEEL_SHA256:
+        return target  # a complete entry is read even from a read-only cache
+    # Downloaded outside the cache, then stored in it: a full or read-only cache costs the cache alone.
+    fetched = Path(tempfile.mkdtemp(prefix="adloco-wheel-"))
+    atexit.register(shutil.rmtree, fetched, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(fetched), WHEEL_SPEC]
+    log.info("fetching the embedded corpus: %s", " ".join(cmd[2:]))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise DataError(f"dataset: `pip download {WHEEL_SPEC}` did not finish in {PIP_TIMEOUT_S}s; "
+                        "set ADLOCO_EXLLAMAV2_WHEEL to a local copy of the wheel") from None
+    got = fetched / WHEEL_NAME
+    if proc.returncode != 0 or not got.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DataError(f"dataset: could not download {WHEEL_SPEC} from the package index ({last}); "
+                        "set ADLOCO_EXLLAMAV2_WHEEL to a local copy of the wheel")
+    if _sha256(got) != WHEEL_SHA256:
+        raise DataError(f"dataset: the downloaded {WHEEL_NAME} has the wrong sha256; refusing to use it")
+    if cache.store(cache_dir, target, lambda tmp: shutil.copyfile(got, tmp), "the corpus wheel"):
+        shutil.rmtree(fetched, ignore_errors=True)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, WHEEL_SPEC]
-        log.info("fetching the embedded corpus: %s", " ".join(cmd[2:]))
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise DataError(f"dataset: `pip download {WHEEL_SPEC}` did not finish in {PIP_TIMEOUT_S}s; "
-                            "set ADLOCO_EXLLAMAV2_WHEEL to a local copy of the wheel") from None
-        got = Path(tmp) / WHEEL_NAME
-        if proc.returncode != 0 or not got.is_file():
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(f"dataset: could not download {WHEEL_SPEC} from the package index ({last}); "
-                            "set ADLOCO_EXLLAMAV2_WHEEL to a local copy of the wheel")
-        if _sha256(got) != WHEEL_SHA256:
-            raise DataError(f"dataset: the downloaded {WHEEL_NAME} has the wrong sha256; refusing to use it")
-        os.replace(got, target)  # atomic: a half-written wheel never sits in the cache
-    return target
+    return got  # this run reads it from the temporary directory, removed when the process ends
 
 
 def parse_documents(source: str, text: str) -> list[str]:
@@ -116,28 +121,6 @@ def _train_bpe(texts: list[str], vocab_size: int):
     return tok
 
 
-def store_in_cache(path: Path, write: Callable[[Path], None], what: str) -> bool:
-    """Write a cache entry through a temporary file and a rename. A cache is only a speed-up: a write that
-    fails (a full disk, a read-only file system, anything) costs the cache alone, a one-line warning,
-    and leaves no partial file behind; readers only ever see complete entries."""
-    from utils.safe_write import why_write_failed
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-        return True
-    except Exception as exc:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        log.warning("data: could not cache %s in %s (%s); this run goes on with it in memory", what, path.parent,
-                    why_write_failed(exc))
-        return False
-
-
 def load_pretrained_tokenizer(name: str, cfg: Config, key: str = "tokenizer") -> PreTrainedTokenizerBase:
     """A tokenizer from a local directory or the HF cache; from the Hub only with hub_downloads: true."""
     if cfg.hub_downloads and not Path(name).exists():
@@ -176,7 +159,7 @@ def build_tokenizer(cfg: Config, train_texts: list[str], cache_dir: Path, corpus
     else:
         log.info("training a %d-token byte-level BPE tokenizer on the training split", cfg.tokenizer_vocab_size)
         trained = _train_bpe(train_texts, cfg.tokenizer_vocab_size)
-        store_in_cache(path, lambda tmp: tmp.write_text(trained.to_str(), encoding="utf-8"), "the tokenizer")
+        cache.store(cache_dir, path, lambda tmp: tmp.write_text(trained.to_str(), encoding="utf-8"), "the tokenizer")
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained, eos_token=EOS, pad_token=PAD, cls_token=CLS)
     tokenizer.name_or_path = f"{key} (byte-level BPE trained on the {corpus} training split)"
     return tokenizer
@@ -314,16 +297,16 @@ def _from_documents(cfg: Config, train_docs: datasets.Dataset, val_docs: dataset
         val_origin = "validation split"
     train_texts = train_docs["text"]
     tokenizer = build_tokenizer(cfg, train_texts, cache_dir_of(cfg), corpus)
-    cache = packed_cache_path(cfg, tokenizer, corpus, train_texts, val_docs["text"])
-    cached = load_packed(cache)
+    cache_path = packed_cache_path(cfg, tokenizer, corpus, train_texts, val_docs["text"])
+    cached = load_packed(cache_path)
     if cached is not None:
         train, val = cached
-        log.info("data: the tokenized, packed corpus came from the cache (%s)", cache)
+        log.info("data: the tokenized, packed corpus came from the cache (%s)", cache_path)
     else:
         train = to_packed(tokenize_and_pack(train_docs, tokenizer, cfg.seq_len))
         val = to_packed(tokenize_and_pack(val_docs, tokenizer, cfg.seq_len))
-        if save_packed(cache, train, val):
-            log.info("data: tokenized and packed; cached for the next run in %s", cache)
+        if save_packed(cache_dir_of(cfg), cache_path, train, val):
+            log.info("data: tokenized and packed; cached for the next run in %s", cache_path)
     return finish_corpus(cfg, train, val, tokenizer, f"{corpus}: {len(train_docs)} train documents, "
                          f"{len(val_docs)} validation documents ({val_origin})")
 
@@ -360,12 +343,12 @@ def load_packed(path: Path) -> tuple[PackedData, PackedData] | None:
         return None
 
 
-def save_packed(path: Path, train: PackedData, val: PackedData) -> bool:
+def save_packed(cache_dir: Path, path: Path, train: PackedData, val: PackedData) -> bool:
     """A full or read-only cache costs the next run its speed, not this run."""
     from utils.safe_write import torch_save
 
     entry = {"train": (train.input_ids, train.attention_mask), "val": (val.input_ids, val.attention_mask)}
-    return store_in_cache(path, lambda tmp: torch_save(entry, tmp), "the packed corpus")
+    return cache.store(cache_dir, path, lambda tmp: torch_save(entry, tmp), "the packed corpus")
 
 
 def load_embedded(cfg: Config) -> CorpusData:

@@ -126,16 +126,20 @@ def test_command_line_mistakes_are_one_line(capsys):
     assert line == "error: argument --resume: expected one argument (see python run.py --help)"
 
 
-def test_an_unusable_cache_dir_is_one_line_without_traceback(tmp_path, capsys):
+def test_a_cache_dir_that_is_a_file_costs_only_the_cache(tmp_path, capsys, cache_dir):
+    """A cache is a speed-up: cache_dir naming a plain file is one warning line (the key and the reason), and the
+    run goes on with what it builds in memory; the file is left as it was."""
     blocker = tmp_path / "plain_file"
     blocker.write_text("x")
-    args = ["--config", str(ROOT / "config.yaml"), f"log_dir={tmp_path / 'logs'}", f"cache_dir={blocker}",
-            "clearml_mode=off", "tokenizer=bpe"]
-    assert main(args) == 2
+    args = ["--config", str(ROOT / "config.yaml"), *TINY, "num_outer_steps=1", f"log_dir={tmp_path / 'logs'}",
+            f"cache_dir={blocker}", "run_name=blocked"]
+    assert main(args) == 0
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err
-    (line,) = [x for x in out.err.splitlines() if x.startswith("error:")]
-    assert str(blocker) in line and "Not a directory" in line
+    log = (tmp_path / "logs" / "blocked" / "training_log.log").read_text()
+    (line,) = [x for x in log.splitlines() if "could not cache" in x]
+    assert f"cache_dir {blocker}: could not cache" in line and "Not a directory" in line
+    assert blocker.read_text() == "x"
 
 
 def test_unwritable_log_dir_is_one_line(tmp_path, capsys):
@@ -401,3 +405,29 @@ def test_the_cpu_probe_frees_what_it_measured(tiny_config):
     assert len(outputs) > 10
     alive = [r for r in outputs if r() is not None]
     assert alive == []
+
+
+def test_a_sketch_too_large_for_the_machine_is_refused_before_any_work(tmp_path, capsys):
+    """statistics_sketch_dim 1e11: each node's sketch would need 1.5 TB; refused at startup (exit 2, one line), not
+    found by training as a node fault with a resumable checkpoint that fails the same way on every resume."""
+    assert_refused_before_any_work(["statistics_comm=sketch", "statistics_sketch_dim=100000000000"],
+                                   "statistics_sketch_dim", "each node's sketch of its gradient samples needs 1.49e+03 "
+                                   "GiB", tmp_path, capsys)
+
+
+def test_a_sketch_too_small_to_measure_anything_is_warned_about(tiny_config):
+    (warning,) = tiny_config("statistics_comm=sketch", "statistics_sketch_dim=1").warnings()
+    assert warning.startswith("statistics_sketch_dim 1: the sketch's estimates err by about sqrt(2/k) = 141% each")
+    assert "use at least 16" in warning
+    assert tiny_config("statistics_comm=sketch", "statistics_sketch_dim=16").warnings() == []
+    assert tiny_config("statistics_comm=fp64", "statistics_sketch_dim=1").warnings() == []  # no sketch: no warning
+
+
+def test_a_node_schedule_event_after_the_last_outer_step_is_warned_about(tiny_config):
+    cfg = tiny_config("num_outer_steps=3", "devices=[cpu, cpu]", "node_schedule=[{node: 1, leave: 2}, "
+                      "{node: 2, slowdown: 2, from: 4}, {node: 3, leave: 5, return: 6}]")
+    assert cfg.warnings() == [
+        "node_schedule[1]: node 2 slows down at outer step 4, after the run's last (3): it will never happen (unless "
+        "the run is extended: --resume RUN num_outer_steps=N)",
+        "node_schedule[2]: node 3 leaves at outer step 5, after the run's last (3): it will never happen (unless "
+        "the run is extended: --resume RUN num_outer_steps=N)"]

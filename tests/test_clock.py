@@ -143,3 +143,16 @@ def test_curve_files_are_checked(tmp_path):
             ThroughputCurve.load(path)
     with pytest.raises(ValueError, match="cannot read"):
         ThroughputCurve.load(tmp_path / "missing.json")
+    path.write_text('{"flat": true, "points": [{"micro_batch": 1, "tokens_per_s": 5}, {"micro_batch": 2, '
+                    '"tokens_per_s": 6}]}')
+    with pytest.raises(ValueError, match="exactly one point"):
+        ThroughputCurve.load(path)
+
+
+def test_a_curve_names_where_it_falls_or_bends_beyond_two_percent():
+    concave = ThroughputCurve(((1, 1, 1000.0), (2, 1, 1800.0), (4, 1, 2600.0), (8, 1, 2590.0)))
+    assert concave.shape_problems() == []  # 2590 is within 2% of 2600: noise, not a fall
+    bent = ThroughputCurve(((1, 1, 1000.0), (2, 1, 1100.0), (3, 1, 1500.0), (2, 2, 900.0), (4, 2, 800.0)))
+    assert bent.shape_problems() == [
+        "is not concave at micro-batch 2 (1100 tokens/s, below the 1250 of the chord from 1 to 3, accumulation 1)",
+        "falls from micro-batch 2 to 4 (900 -> 800 tokens/s, accumulation 2)"]

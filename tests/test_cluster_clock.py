@@ -141,6 +141,36 @@ def test_a_curve_below_the_probed_max_batch_is_refused_before_training(cache_dir
     assert "outer 1/" not in (run_dir / "training_log.log").read_text()  # no round ran
 
 
+def write_curve(path, points, **about):
+    path.write_text(json.dumps({**about, "points": [{"micro_batch": b, "accumulation": 1, "tokens_per_s": v}
+                                                    for b, v in points]}))
+    return path
+
+
+def test_curve_files_that_lie_are_refused_or_named(cache_dir, tmp_path, capsys):
+    """A one-point file is not a curve (it would cover every batch unseen): refused in one line unless it says
+    "flat": true, which the run's log and summary then say; a falling or non-concave curve runs with one warning
+    line that names its points."""
+    run = ["--config", str(ROOT / "config.yaml"), *TINY, f"cache_dir={cache_dir}", "num_outer_steps=1",
+           "max_batch_size=4", f"log_dir={tmp_path / 'l'}"]
+    one = write_curve(tmp_path / "one.json", [(2, 5000.0)])
+    assert main([*run, f"throughput={one}"]) == 2
+    (line,) = error_lines(capsys)
+    assert "'throughput'" in line and "one point (micro-batch 2)" in line and '"flat": true' in line, line
+    flat = write_curve(tmp_path / "flat.json", [(2, 5000.0)], flat=True)
+    assert main([*run, f"throughput={flat}", "run_name=flat"]) == 0  # max batch 4 > 2: a flat file covers it
+    summary = json.loads((tmp_path / "l" / "flat" / "summary.json").read_text())
+    assert summary["clock"]["throughput"] == f"{flat} (flat, 5000 tokens/s)"
+    assert "(flat, 5000 tokens/s)" in (tmp_path / "l" / "flat" / "training_log.log").read_text()
+    bent = write_curve(tmp_path / "bent.json", [(1, 1000.0), (2, 1200.0), (3, 2400.0), (4, 2000.0)])
+    assert main([*run, f"throughput={bent}", "run_name=bent"]) == 0
+    log = (tmp_path / "l" / "bent" / "training_log.log").read_text()
+    (warning,) = [x for x in log.splitlines() if "config: throughput:" in x]
+    assert "falls from micro-batch 3 to 4 (2400 -> 2000 tokens/s" in warning
+    assert "is not concave at micro-batch 2 (1200 tokens/s, below the 1700 of the chord from 1 to 3" in warning
+    assert "the clock uses it as given" in warning
+
+
 def test_a_measured_curve_is_cached_and_reused(tiny_config, tmp_path):
     from utils.throughput import cached_curve
 

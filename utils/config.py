@@ -343,7 +343,37 @@ class Config:
         if self.num_init_trainers > 1 and self.merge_frequency > self.num_outer_steps:
             out.append(f"merge_frequency {self.merge_frequency} is larger than num_outer_steps {self.num_outer_steps}: "
                        "no merge will happen (merge_frequency: 0 says that on purpose)")
+        return out + self._clock_warnings() + self._sketch_warnings()
+
+    def _clock_warnings(self) -> list[str]:
+        """A node_schedule event after the last outer step; a curve file that is not shaped like a throughput curve."""
+        from algorithms.clock import NodeSchedule, ThroughputCurve
+
+        out = []
+        for i, event in enumerate(NodeSchedule.parse(self.node_schedule, self.total_nodes).events):
+            first = event.leave or max(event.start, 1)
+            if first > self.num_outer_steps:
+                what = "leaves" if event.leave else "slows down"
+                out.append(f"node_schedule[{i}]: node {event.node} {what} at outer step {first}, after the run's last "
+                           f"({self.num_outer_steps}): it will never happen (unless the run is extended: "
+                           "--resume RUN num_outer_steps=N)")
+        if self.throughput not in ("flat", "measured"):
+            problems = ThroughputCurve.load(self.throughput).shape_problems()
+            if problems:
+                out.append(f"throughput: the curve {self.throughput} {'; '.join(problems)}; a throughput curve rises "
+                           "and flattens as the micro-batch grows: the clock uses it as given")
         return out
+
+    SKETCH_WARN_BELOW = 16  # the tests' ratio of two sketched estimates errs by about 2/sqrt(k): 50% at 16
+
+    def _sketch_warnings(self) -> list[str]:
+        k = self.statistics_sketch_dim
+        if self.statistics_comm != "sketch" or k >= self.SKETCH_WARN_BELOW:
+            return []
+        return [f"statistics_sketch_dim {k}: the sketch's estimates err by about sqrt(2/k) = {(2 / k) ** 0.5:.0%} "
+                f"each, and the batch test's ratio of two of them by about {2 / k ** 0.5:.0%}: more than half of "
+                "what it measures, so its decisions follow the noise; use at least "
+                f"{self.SKETCH_WARN_BELOW} (the default 16384 errs by 1.1%)"]
 
     @property
     def total_nodes(self) -> int:

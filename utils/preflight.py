@@ -102,8 +102,43 @@ def check_run_name(cfg: Config) -> None:
             raise UserError(problem)
 
 
+SKETCH_BYTES_PER_DIM = 2 * 8  # per node: its two gradient samples sketched, fp64 (algorithms/sketch.py)
+
+
+def _free_bytes(device: str) -> int:
+    """Memory free for new buffers on `device` now: the GPU's free memory, or the machine's available RAM."""
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_statistics_memory(cfg: Config) -> None:
+    """statistics_comm sketch: the nodes' sketches must fit their devices, or every round (and every resume) would
+    fail allocating them: refused now, before any work."""
+    if cfg.statistics_comm != "sketch":
+        return
+    per_node = SKETCH_BYTES_PER_DIM * cfg.statistics_sketch_dim
+    nodes_on: dict[str, int] = {}
+    for device in cfg.device_names:
+        where = "cpu" if device == "cpu" else (device if ":" in device else "cuda:0")
+        nodes_on[where] = nodes_on.get(where, 0) + cfg.nodes_per_gpu
+    for device, nodes in nodes_on.items():
+        need, free = per_node * nodes, _free_bytes(device)
+        if need > free:
+            raise ConfigError("statistics_sketch_dim", f"{cfg.statistics_sketch_dim}: each node's sketch of its "
+                              f"gradient samples needs {per_node / 2**30:.3g} GiB, {need / 2**30:.3g} GiB for the "
+                              f"{nodes} nodes on {device}, which has {free / 2**30:.3g} GiB free; a sketch is meant "
+                              "to be small (default 16384, relative error about sqrt(2/k))")
+
+
 def check_before_work(cfg: Config, resuming: bool) -> None:
     check_model(cfg)
     check_data(cfg)
+    check_statistics_memory(cfg)
     if not resuming:
         check_run_name(cfg)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from algorithms.clock import ThroughputCurve
+from utils import cache
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,10 @@ def device_kind(device: str) -> str:
     return f"cpu {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def cached_curve(cache_dir: Path, key: dict, measure: Callable[[], ThroughputCurve]) -> tuple[ThroughputCurve, Path]:
+def cached_curve(cache_dir: Path, key: dict, measure: Callable[[], ThroughputCurve]
+                 ) -> tuple[ThroughputCurve, Path | None]:
     """The curve cached under `key` (device kind, model, sequence length, precision, largest micro-batch), or
-    measured now and cached."""
+    measured now and cached (its path; None when the cache could not take it: utils/cache.py)."""
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir).expanduser() / "throughput" / f"{name}.json"
     if path.is_file():
@@ -98,8 +100,8 @@ def cached_curve(cache_dir: Path, key: dict, measure: Callable[[], ThroughputCur
         except ValueError:
             log.warning("throughput: the cached curve %s is unreadable; measuring again", path)
     curve = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(curve.to_dict(**key, source=curve.source), indent=1))
-    tmp.replace(path)
-    return ThroughputCurve.load(path), path
+    about = curve.to_dict(**key, source=curve.source)
+    if cache.store(cache_dir, path, lambda tmp: tmp.write_text(json.dumps(about, indent=1)),
+                   "the measured throughput curve"):
+        return ThroughputCurve.load(path), path
+    return curve, None  # not cached: this run uses it from memory

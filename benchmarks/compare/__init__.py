@@ -61,9 +61,12 @@ def compare(args: Options) -> int:
     (out / "runs").mkdir(parents=True, exist_ok=True)
     if args.throughput_curve:
         try:
-            ThroughputCurve.load(args.throughput_curve)
+            problems = ThroughputCurve.load(args.throughput_curve).shape_problems()
         except ValueError as exc:
             raise SystemExit(f"error: --throughput_curve: {exc}") from None
+        if problems:
+            print(f"warning: --throughput_curve: {args.throughput_curve} {'; '.join(problems)}; the network model "
+                  "uses it as given", file=sys.stderr)
     base = load_config(args.config, list(args.overrides))
     extra = warm_start(args, out)
     args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
