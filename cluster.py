@@ -194,7 +194,7 @@ class ClusterController:
         path = self.weights_dir / label
         if self.writes:
             path = save_checkpoint(self.weights_dir, label, step, self.trainers, state, self.cfg.meaning_hash(),
-                                   template, self.data.tokenizer, final_id)
+                                   template, self.data.tokenizer, final_id, config=self.cfg.meaning())
             for old in prune_checkpoints(self.weights_dir, self.cfg.keep_checkpoints, path):
                 log.debug("keep_checkpoints: removed %s", old)
         self.state.checkpointed_step = step

@@ -13,6 +13,7 @@ SIGINT / SIGTERM stop a run cleanly: a checkpoint of the last complete outer ste
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -87,7 +88,7 @@ def check_devices(cfg: Config) -> None:
 
 def resume_config(run_dir: Path, overrides: list[str], config_arg: str | None):
     """The run's own config with the allowed overrides, and its latest complete checkpoint."""
-    from utils.checkpoint import latest_checkpoint
+    from utils.checkpoint import ConfigMismatch, latest_checkpoint
 
     if config_arg is not None:
         raise UserError("--config: a resumed run uses RUN_DIR/config.yaml; give changes as key=value")
@@ -107,11 +108,35 @@ def resume_config(run_dir: Path, overrides: list[str], config_arg: str | None):
     changed = sorted(k for k, v in cfg.meaning().items() if saved.get(k) != v)
     if changed:  # e.g. max_tokens, when it sets the length of linear_rampup's schedule
         raise ConfigError(changed[0], "cannot change when resuming: it would change what the run computes")
-    checkpoint = latest_checkpoint(run_dir / "model_weights", cfg.meaning_hashes())
+    try:
+        checkpoint = latest_checkpoint(run_dir / "model_weights", cfg.meaning_hashes())
+    except ConfigMismatch as exc:
+        raise UserError(what_changed(exc, cfg.meaning(), overrides, run_dir)) from None
     if checkpoint.path.name == "final" and checkpoint.outer_step >= cfg.num_outer_steps:
         raise ConfigError("num_outer_steps", f"the run in {run_dir} already finished its {checkpoint.outer_step} "
                           "outer steps; give a larger num_outer_steps to extend it")
     return cfg, checkpoint
+
+
+def what_changed(exc, now: dict, overrides: list[str], run_dir: Path) -> str:
+    """A refused resume in one line: the keys whose values differ from the checkpoint's, and where each change came
+    from (the command line, or RUN/config.yaml edited since the checkpoint was written)."""
+    if exc.config is None:  # written before checkpoints recorded their settings
+        return f"{exc} (it predates recording its settings, so the keys that differ cannot be named)"
+    given = set(parse_overrides(overrides))
+    if "max_tokens" in given:  # it sets linear_rampup's length when rampup_tokens is 0
+        given.add("rampup_tokens")
+
+    def shown(values: dict, key: str) -> str:  # keys added later are left out of the settings at their default
+        return json.dumps(values[key]) if key in values else "its default"
+
+    changes = []
+    for key in sorted(set(exc.config) | set(now)):
+        if exc.config.get(key, changes) != now.get(key, changes):
+            where = "the command line" if key in given else f"{run_dir / 'config.yaml'}, edited since"
+            changes.append(f"{key}: {shown(exc.config, key)} -> {shown(now, key)} ({where})")
+    return (f"--resume: {exc.path} was written with other settings: {'; '.join(changes)}; put them back to resume, "
+            "or start a new run with them")
 
 
 # ----------------------------------------------------------------------------------------------

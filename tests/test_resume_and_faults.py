@@ -653,8 +653,19 @@ def test_resume_refuses_changes_that_change_the_run(tmp_path, tiny_config, capsy
     assert main(["--resume", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     config = run_dir / "config.yaml"
-    config.write_text(config.read_text().replace("lr_inner: 0.003", "lr_inner: 0.004"))
-    with pytest.raises(UserError, match="belongs to another configuration"):
+    original = config.read_text()
+    edited = original.replace("lr_inner: 0.003", "lr_inner: 0.004")
+    config.write_text(edited.replace("node_schedule: []", "node_schedule: [{node: 1, slowdown: 2}]"))
+    with pytest.raises(UserError) as refused:  # the keys that differ, and where the change came from
+        resume_config(run_dir, [], None)
+    assert str(refused.value) == (
+        f"--resume: {run_dir / 'model_weights' / 'final'} was written with other settings: lr_inner: 0.003 -> 0.004 "
+        f"({config}, edited since); node_schedule: its default -> [{{\"node\": 1, \"slowdown\": 2}}] ({config}, edited "
+        "since); put them back to resume, or start a new run with them")
+    config.write_text(original)
+    manifest = run_dir / "model_weights" / "final" / "manifest.json"  # a checkpoint of a version before the record
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "config": None, "config_hash": "older"}))
+    with pytest.raises(UserError, match="belongs to another configuration .* cannot be named"):
         resume_config(run_dir, [], None)
     empty = tmp_path / "empty"
     (empty / "model_weights").mkdir(parents=True)

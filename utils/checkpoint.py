@@ -117,8 +117,9 @@ def remove_stray_temporaries(weights_dir: Path) -> None:
 
 def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: dict, resume_state: dict | None,
                     config_hash: str, template: torch.nn.Module | None = None, tokenizer=None,
-                    final_id: int | None = None) -> Path:
-    """Write a complete checkpoint atomically; a CheckpointWriteError (previous one intact) if it cannot."""
+                    final_id: int | None = None, config: dict | None = None) -> Path:
+    """Write a complete checkpoint atomically; a CheckpointWriteError (previous one intact) if it cannot.
+    config: the settings behind config_hash (Config.meaning), so a refused resume can name what changed."""
     target = weights_dir / label
     tmp = weights_dir / f".{label}.tmp"
     old = weights_dir / f".{label}.old"
@@ -147,7 +148,7 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
         os.replace(tmp, target)
         manifest = {"format": FORMAT, "complete": True, "label": label, "outer_step": outer_step,
                     "config_hash": config_hash, "trainers": sorted(trainers), "resumable": resume_state is not None,
-                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, "files": files}
         write_atomic(target / MANIFEST, json.dumps(manifest, indent=2))
         _fsync_dir(weights_dir)
         shutil.rmtree(old, ignore_errors=True)
@@ -220,6 +221,14 @@ def check_files(root: Path, files: dict[str, dict], deep: bool) -> None:
             raise UserError(f"checkpoint: {file} does not match its sha256 in the manifest (corrupted)")
 
 
+class ConfigMismatch(UserError):
+    """A checkpoint of other settings; `config`: the settings it recorded (None: written before they were)."""
+
+    def __init__(self, message: str, path: Path, config: dict | None) -> None:
+        super().__init__(message)
+        self.path, self.config = path, config
+
+
 def verify(path: Path, config_hash: str | tuple[str, ...] | None = None, deep: bool = True) -> Checkpoint:
     """The checkpoint at `path` if it is complete and its files are intact; a UserError saying what is wrong.
     config_hash: the config hash it must carry (or any of several: Config.meaning_hashes)."""
@@ -236,8 +245,8 @@ def verify(path: Path, config_hash: str | tuple[str, ...] | None = None, deep: b
         raise UserError(f"checkpoint: {path} was written by another version or holds no resume state")
     hashes = (config_hash,) if isinstance(config_hash, str) else config_hash
     if hashes is not None and manifest.get("config_hash") not in hashes:
-        raise UserError(f"checkpoint: {path} belongs to another configuration (config hash "
-                        f"{manifest.get('config_hash')}, this run's is {hashes[0]})")
+        raise ConfigMismatch(f"checkpoint: {path} belongs to another configuration (config hash "
+                             f"{manifest.get('config_hash')}, this run's is {hashes[0]})", path, manifest.get("config"))
     check_files(path, files, deep)
     return Checkpoint(path, outer_step, manifest)
 
@@ -281,7 +290,7 @@ def latest_checkpoint(weights_dir: Path, config_hash: str | tuple[str, ...]) -> 
         try:
             return verify(path, config_hash)
         except UserError as exc:
-            if "another configuration" in str(exc):
+            if isinstance(exc, ConfigMismatch):
                 raise
             problems.append(str(exc).removeprefix("checkpoint: "))
             log.warning("skipping %s", exc)
