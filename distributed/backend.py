@@ -34,8 +34,11 @@ payload per member; send/recv: the payload): weights traffic and batch-test stat
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -46,6 +49,7 @@ from distributed.streamed import LEFT, streamed_round
 from rounds import NodeFault, RoundResult, advance, empty_wire, run_node, token_shares
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
+from utils.run_state import process_start_time
 
 
 class DistributedBackend:
@@ -69,6 +73,8 @@ class DistributedBackend:
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
         self.master_device = master_device  # where the trainers' masters (and so the node mean) live
         self.store, self.phase = store, 0  # arrival marks: who did not reach a collective (hung or dead)
+        if store is not None:  # which process is this rank: read when a collective fails (_ended_first)
+            store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())}")
         self.groups: dict[tuple[int, ...], object] = {}
         # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
         # statistics, and trainers brought to rank 0 for checkpoints
@@ -128,8 +134,35 @@ class DistributedBackend:
         except RuntimeError:  # the store went with the process that hosted it
             return []
 
+    def _gone(self, rank: int) -> bool:
+        """Whether `rank`'s process has ended (known for the ranks on this machine only)."""
+        key = f"process/{rank}"
+        if not self.store.check([key]):  # it never got this far
+            return False
+        host, pid, started = self.store.get(key).decode().split()
+        if host != socket.gethostname():
+            return False
+        try:
+            process = psutil.Process(int(pid))
+            return process.status() == psutil.STATUS_ZOMBIE or process_start_time(int(pid)) != started
+        except psutil.NoSuchProcess:
+            return True
+
+    def _ended_first(self) -> list[int]:
+        """The rank(s) whose process ended first, as the store records it: the first rank to see a collective
+        fail looks for peers whose processes are gone and records them, before torchrun stops the rest of
+        the group; the ranks that fail later read that record instead of counting the stopped ones."""
+        if self.store is None:
+            return []
+        try:
+            gone = " ".join(str(r) for r in range(self.world_size) if r != self.rank and self._gone(r))
+            first = self.store.compare_set("ended_first", "", gone)
+            return [int(r) for r in (first.decode() if isinstance(first, bytes) else first).split()]
+        except (RuntimeError, ValueError):  # the store went with the process that hosted it
+            return []
+
     def _failed(self, exc: RuntimeError) -> UserError:
-        return collective_failed(self.rank, exc, self._absent())
+        return collective_failed(self.rank, exc, self._absent(), self._ended_first())
 
     def _gather(self, value) -> list:
         """all_gather_object over the world, with an arrival mark first."""
@@ -315,7 +348,8 @@ class DistributedBackend:
                     trainer.load_transfer(compression.compressor.decode(flat.cpu(), numel) if lossy else flat.cpu())
                     self.round_comm["seconds"] += time.perf_counter() - start
             except RuntimeError as exc:
-                raise collective_failed(self.rank, exc, [source if self.rank == target else target]) from None
+                raise collective_failed(self.rank, exc, [source if self.rank == target else target],
+                                        self._ended_first()) from None
 
     def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator) -> dict:
         """trainer -> (node holding it, its weights): each trainer is evaluated by its holder; all get all."""
@@ -391,13 +425,22 @@ def _advance_or_leave(node_ids: list[int], round_steps: dict, job_of: dict) -> l
     return outcomes
 
 
-def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None) -> UserError:
-    """One line: which rank saw it, which ranks did not arrive (hung or dead), what to do."""
+def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None,
+                      ended: list[int] | None = None) -> UserError:
+    """One line: which rank saw it, whose process ended first (the rest of the group was then stopped by torchrun),
+    or which ranks did not arrive (hung, or on another machine), and what to do."""
     detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     hung = "timed out" in detail.lower() or "timeout" in detail.lower()
-    who = f"rank {', '.join(map(str, absent))}" if absent else "another process"
-    why = f"{who} did not answer within dist_timeout_s (hung?)" if hung else f"{who} died or left"
+    if ended:
+        why = f"{_rank_words(ended)} process ended first, and the group was stopped"
+    else:
+        who = f"rank {', '.join(map(str, absent))}" if absent else "another process"
+        why = f"{who} did not answer within dist_timeout_s (hung?)" if hung else f"{who} died or left"
     error = UserError(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
                       "the group restarts and resumes from the latest checkpoint")
     error.exit_code = 1
     return error
+
+
+def _rank_words(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}'s"

@@ -29,7 +29,7 @@ LOCK_FILE = "run.lock"
 STATUS_FILE = "status.json"
 
 
-def _process_start_time(pid: int) -> str:
+def process_start_time(pid: int) -> str:
     """The kernel's start time of `pid` (clock ticks since boot), which a reused PID does not share."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -82,7 +82,7 @@ class RunLock:
                 break
             os.close(fd)
         pid = os.getpid()
-        text = json.dumps({"host": socket.gethostname(), "pid": pid, "process_start": _process_start_time(pid),
+        text = json.dumps({"host": socket.gethostname(), "pid": pid, "process_start": process_start_time(pid),
                            "since": time.strftime("%Y-%m-%dT%H:%M:%S")})
         os.ftruncate(fd, 0)
         os.pwrite(fd, (text + "\n").encode(), 0)
