@@ -185,6 +185,35 @@ def test_a_finished_run_is_reused_only_under_the_same_config(tmp_path, cache_dir
     assert (run_dir / "summary.json").stat().st_mtime_ns == second
 
 
+def test_without_max_tokens_the_budget_run_is_adloco_seed_0_itself(tmp_path, cache_dir, capsys, monkeypatch):
+    """No --max_tokens: AdLoCo seed 0 is trained once, to measure the budget, and is then the comparison's own
+    AdLoCo seed 0; counted by the run.py processes the harness starts and by its run directories."""
+    from benchmarks.compare import runner
+
+    started = []
+    real = runner.run_child
+    monkeypatch.setattr(runner, "run_child", lambda cmd, log: started.append(cmd[cmd.index("--config") + 2:]) or
+                        real(cmd, log))
+    out = tmp_path / "compare"
+    args = ["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_outer_steps", "40", "--variants",
+            "adloco,diloco_b2", "--diloco_batches", "2", "--network", "consumer", "--out", str(out), *SMALL,
+            f"cache_dir={cache_dir}", "max_batch_size=2", "num_outer_steps=2", "merge_frequency=1"]
+    assert compare_main(args) == 0
+    said = capsys.readouterr().out
+    assert len(started) == 2  # adloco seed 0 (the budget) and diloco_b2 seed 0: nothing trained twice
+    assert "running it again" not in said and "adloco_seed0: reusing" in said
+    assert sorted(p.name for p in (out / "runs").iterdir() if p.is_dir()) == ["adloco_seed0", "diloco_b2_seed0"]
+    budget = int(said.split("token budget: ")[1].split()[0])
+    summary = json.loads((out / "runs" / "adloco_seed0" / "summary.json").read_text())
+    assert summary["outer_steps"] == 2 and summary["tokens_seen"] == budget
+    table = {r["variant"]: r for r in read_csv(out / "comparison.csv")}
+    assert float(table["adloco"]["tokens"]) == budget <= float(table["diloco_b2"]["tokens"])
+    # a smaller --max_outer_steps sets the budget run's length too: still one run of AdLoCo seed 0
+    started.clear()
+    assert compare_main([*args, "--out", str(tmp_path / "short"), "--max_outer_steps", "1"]) == 0
+    assert len(started) == 2 and "running it again" not in capsys.readouterr().out
+
+
 def test_the_harness_never_clears_a_directory_a_live_run_holds(tmp_path, cache_dir):
     from utils.run_state import RunLock
 

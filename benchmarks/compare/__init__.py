@@ -73,11 +73,14 @@ def compare(args: Options) -> int:
     chosen = select(catalogue(base, args.batches, args.localsgd_lr), args.variants, args.diloco_batches,
                     bool(args.cluster))
     if not args.max_tokens:
-        # the budget: what AdLoCo itself consumes in the configured number of outer steps
-        budget_args = dataclasses.replace(args, max_tokens=0, max_outer_steps=base.num_outer_steps)
-        first = read_run(run_variant("adloco", [], 0, budget_args, out, extra))
+        # the budget: what AdLoCo itself consumes in the configured number of outer steps; that run stops where the
+        # budget does, so it is reused below as AdLoCo seed 0 (runner.stops_where_asked)
+        steps = min(base.num_outer_steps, args.max_outer_steps)
+        budget_args = dataclasses.replace(args, max_tokens=0, max_outer_steps=steps)
+        first = read_run(run_variant("adloco", list(chosen["adloco"].overrides) if "adloco" in chosen else [], 0,
+                                     budget_args, out, extra))
         args = dataclasses.replace(args, max_tokens=first["curve"][-1]["tokens"])
-        print(f"token budget: {args.max_tokens} tokens (AdLoCo, {base.num_outer_steps} outer steps, seed 0)")
+        print(f"token budget: {args.max_tokens} tokens (AdLoCo, {steps} outer steps, seed 0)")
     results: dict[str, list[dict]] = {}
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):

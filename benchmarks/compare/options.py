@@ -6,9 +6,13 @@
     python -m benchmarks.compare --config configs/compare_warm_cpu.yaml --pretrain_config configs/pretrain_cpu.yaml \
         --seeds 3 --out benchmarks/results/compare_warm
 
-Every variant trains on the same data, model and seeds, with the same token budget (`--max_tokens`,
-default: what the AdLoCo config uses in num_outer_steps, measured by a first AdLoCo run), as a separate
-`run.py` process. Variants are config overrides of the base config:
+Every variant trains on the same data, model and seeds, with the same token budget, as a separate `run.py`
+process. The budget and --max_outer_steps: every run stops at the first outer step where it has seen
+--max_tokens tokens, or at --max_outer_steps, whichever comes first. Without --max_tokens the budget is what
+AdLoCo seed 0 sees in the config's num_outer_steps (or --max_outer_steps, if smaller): that run is trained
+first and is itself the comparison's AdLoCo seed 0 (never trained twice); a --max_outer_steps below what a
+slower-consuming variant needs cuts that variant short of the budget (its row says so). Variants are config
+overrides of the base config:
 
   adloco              the base config (adaptive batching, merging, switch mode)
   adloco_no_adaptive  sampling_method: constant
@@ -110,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(ROOT / "config.yaml"))
     p.add_argument("--seeds", type=int, default=3, help="seeds per variant (training_seed 0..seeds-1)")
     p.add_argument("--max_tokens", type=int, default=0,
-                   help="token budget per run; 0 = what the first AdLoCo run uses in its num_outer_steps")
-    p.add_argument("--max_outer_steps", type=int, default=200, help="upper bound on outer steps per run")
+                   help="token budget per run; 0 = what AdLoCo seed 0 sees in the config's num_outer_steps (or "
+                        "--max_outer_steps if smaller); that run is the comparison's own AdLoCo seed 0")
+    p.add_argument("--max_outer_steps", type=int, default=200,
+                   help="upper bound on outer steps per run: a run stops at the budget or here, whichever is first")
     p.add_argument("--variants", default="all", help="comma-separated subset of the variants; all (the comparison "
                    "without the communication variants) or communication (adloco, the middle diloco_bB and the "
                    "compressed / sketched variants)")

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
-from utils.config import WHERE_KEYS, load_config
+from training_logs.records import TrainerRow, read_records
+from utils.config import WHERE_KEYS, Config, load_config
 from utils.errors import Interrupted
 from utils.run_state import in_use
 
@@ -35,6 +36,27 @@ def config_changes(run_dir: Path, wanted: dict) -> list[str]:
         return ["config.yaml: unreadable"]
     return [f"{k}: {had.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(had) | set(wanted))
             if had.get(k) != wanted.get(k)]
+
+
+STOP_KEYS = ("max_tokens", "num_outer_steps")
+
+
+def stops_where_asked(run_dir: Path, changes: list[str], wanted: Config) -> bool:
+    """A finished run that differs from the one asked for only in when it stops (max_tokens, num_outer_steps:
+    neither changes a step's numbers, unless max_tokens sets linear_rampup's length, which Config.meaning
+    counts) is that run when it stopped at the outer step the asked-for budget stops at: the first step
+    that reached max_tokens, or num_outer_steps."""
+    if any(not change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes):
+        return False
+    if load_config(run_dir / "config.yaml").meaning() != wanted.meaning():
+        return False
+    rows = read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow) or []
+    tokens = {r.outer_step: r.global_tokens or 0 for r in rows}
+    last = max(tokens, default=0)
+    for step in range(1, last + 1):
+        if step == wanted.num_outer_steps or (wanted.max_tokens and tokens.get(step, 0) >= wanted.max_tokens):
+            return step == last
+    return False
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -75,6 +97,9 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
         changes = config_changes(run_dir, resolved(args.config, run_args))
         if not changes:
             return run_dir  # finished earlier with this very config: resume the comparison instead of redoing it
+        if stops_where_asked(run_dir, changes, load_config(args.config, run_args)):
+            print(f"{run_name}: reusing {run_dir}: it ran the same, and stopped where this budget stops it")
+            return run_dir
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
     if run_dir.exists():
