@@ -331,6 +331,48 @@ def test_harness_on_a_described_cluster_times_every_run_by_its_own_clock(tmp_pat
         compare_main(["--config", str(ROOT / "config.yaml"), "--out", str(out), "--cluster", str(cluster)])
 
 
+def test_adding_a_cluster_reprices_finished_runs_that_differ_only_in_what_the_clock_reads(tmp_path, cache_dir,
+                                                                                          monkeypatch, capsys):
+    """--cluster on a finished comparison: device speeds and the network are read by the clock alone, so the runs
+    are re-priced from their logs (no run.py started) to the very figures retraining gives; a node_schedule (which
+    changes the numbers) retrains. The report says which sections use the cluster file, with one target each."""
+    from benchmarks.compare import runner
+
+    started = []
+    real = runner.run_child
+    monkeypatch.setattr(runner, "run_child", lambda cmd, log: started.append(cmd) or real(cmd, log))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("devices: [{device: cpu, speed: 1.0}, {device: cpu, speed: 0.25}]\nnetwork: cross-region\n")
+    out = tmp_path / "compare"
+    base = tmp_path / "base.yaml"  # two devices of one node each, at speed 1 (the cluster file sets their speeds)
+    base.write_text(yaml.safe_dump({**yaml.safe_load((ROOT / "config.yaml").read_text()), "devices": ["cpu", "cpu"],
+                                    "nodes_per_gpu": 1}))
+    args = ["--config", str(base), "--seeds", "1", "--max_tokens", "1500", "--max_outer_steps", "20",
+            "--diloco_batches", "2", "--out", str(out), "--variants", "adloco,diloco_b2", "--network", "consumer",
+            *[o for o in SMALL if not o.startswith(("devices", "nodes_per_gpu"))], f"cache_dir={cache_dir}",
+            "merge_frequency=1", "max_batch_size=2"]
+    assert compare_main(args) == 0 and len(started) == 2
+    started.clear()
+    capsys.readouterr()
+    assert compare_main([*args, "--cluster", str(cluster)]) == 0
+    said = capsys.readouterr().out
+    assert started == [] and said.count("re-pricing") == 2 and "clock reads (devices, network)" in said, said[:600]
+    repriced = {r["variant"]: r for r in read_csv(out / "clock.csv")}
+    report = (out / "comparison.md").read_text()
+    assert "## What uses the cluster file" in report and "not retrained: adloco, diloco_b2" in report
+    section = report.split("## What uses the cluster file")[1].split("## ")[0]
+    assert section.count("target val_perplexity ") == 3 and "not the cluster file; equal node speeds" in section
+    assert compare_main([*args, "--cluster", str(cluster), "--rerun"]) == 0 and len(started) == 2  # retrained
+    retrained = {r["variant"]: r for r in read_csv(out / "clock.csv")}
+    for name, row in retrained.items():  # the same figures (training_log.csv keeps sim_time_s to 6 decimals)
+        for key, value in row.items():
+            if key != "variant" and value:
+                assert float(repriced[name][key]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), (name, key)
+    started.clear()
+    cluster.write_text(cluster.read_text() + "node_schedule: [{node: 1, slowdown: 2, from: 2}]\n")
+    assert compare_main([*args, "--cluster", str(cluster)]) == 0 and len(started) == 2  # numbers change: retrained
+
+
 def test_busy_machine_benchmark_runs_each_wait_policy_alone_and_beside_busy_processes(tmp_path, cache_dir):
     """The harness behind BENCHMARKS "CPU time on a busy machine": every setting under both loads, the job's
     own CPU-seconds (not the busy processes'), ratios against libgomp's default alone; a failing job stops it."""

@@ -77,14 +77,14 @@ def compare(args: Options) -> int:
         # budget does, so it is reused below as AdLoCo seed 0 (runner.stops_where_asked)
         steps = min(base.num_outer_steps, args.max_outer_steps)
         budget_args = dataclasses.replace(args, max_tokens=0, max_outer_steps=steps)
-        first = read_run(run_variant("adloco", list(chosen["adloco"].overrides) if "adloco" in chosen else [], 0,
-                                     budget_args, out, extra))
+        first = read_run(*run_variant("adloco", list(chosen["adloco"].overrides) if "adloco" in chosen else [], 0,
+                                      budget_args, out, extra))
         args = dataclasses.replace(args, max_tokens=first["curve"][-1]["tokens"])
         print(f"token budget: {args.max_tokens} tokens (AdLoCo, {steps} outer steps, seed 0)")
     results: dict[str, list[dict]] = {}
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
-        run = read_run(run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
+        run = read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
         results.setdefault(name, []).append({**run, "family": chosen[name].family})
     report_out = Path(args.report_out) if args.report_out else out
     report_out.mkdir(parents=True, exist_ok=True)

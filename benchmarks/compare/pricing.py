@@ -25,6 +25,31 @@ def _time_to(curves: list[list[dict]], target: float, higher: bool) -> float | N
     return statistics.mean(reach) if all(v is not None for v in reach) else None
 
 
+def time_target(results: dict[str, list[dict]], metric: str, args: Options) -> float:
+    """The target of the clock's and the network model's tables: --time_target, or the loosest value (every run's
+    best point reaches it)."""
+    higher = metric == "val_accuracy"
+    pick = min if higher else max
+    runs = [r for rs in results.values() for r in rs]
+    return args.time_target or pick((max if higher else min)(p["metric"] for p in r["curve"]) for r in runs)
+
+
+def cluster_sections(results: dict[str, list[dict]], metric: str, report_target: float, args: Options) -> list[str]:
+    """--cluster: which sections of the report the cluster file prices, and the one target each section uses."""
+    nets = ", ".join(n.name for n in parse_networks(args)[0])
+    repriced = sorted({name for name, rs in results.items() if any(r["summary"].get("repriced") for r in rs)})
+    again = (f" Runs re-priced on this cluster's clock from finished runs that differ only in what the clock reads, "
+             f"not retrained: {', '.join(repriced)}." if repriced else "")
+    return ["## What uses the cluster file", "",
+            f"- The final models, the to-the-target table and the matched budgets: the runs' own numbers, which the "
+            f"clock never changes (target {metric} {report_target:.4g}).",
+            f"- The simulated cluster's clock: the cluster file `{args.cluster}` (its node speeds, network and "
+            f"throughput; target {metric} {time_target(results, metric, args):.4g}).{again}",
+            f"- The predicted wall time on a network and the crossover: not the cluster file; equal node speeds, "
+            f"{'the curve ' + args.throughput_curve if args.throughput_curve else 'a flat tokens/s'}, the networks "
+            f"{nets} (target {metric} {time_target(results, metric, args):.4g}).", ""]
+
+
 def network_report(results: dict[str, list[dict]], metric: str, args: Options, out: Path) -> list[str]:
     """Predicted wall time on each --network (benchmarks/network.py): network.csv, crossover.csv, two plots,
     and the report's markdown lines."""
@@ -79,9 +104,8 @@ def _throughput_words(throughput, args: Options) -> str:
 def clock_report(results: dict[str, list[dict]], metric: str, args: Options) -> list[str]:
     """--cluster: each run timed by its own simulated clock (sim_time_s), utilisation and idle time."""
     higher = metric == "val_accuracy"
+    target = time_target(results, metric, args)
     runs = [r for rs in results.values() for r in rs]
-    pick = min if higher else max
-    target = args.time_target or pick((max if higher else min)(p["metric"] for p in r["curve"]) for r in runs)
     rows = []
     for name, rs in results.items():
         reach = [first_reaching(r["curve"], target, "sim_time", higher) for r in rs]
@@ -138,8 +162,7 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
                 curves.setdefault(name, []).append(curve)
         return curves
 
-    pick = min if higher else max  # the loosest value: every run's best point reaches it
-    target = args.time_target or pick((max if higher else min)(p["metric"] for p in r["curve"]) for r in runs)
+    target = time_target(results, metric, args)
     rows, panels = [], []
     for net in nets:
         curves = timed(net)

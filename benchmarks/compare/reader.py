@@ -9,11 +9,14 @@ from pathlib import Path
 
 from training_logs.plots import models_alive
 from training_logs.records import MergeEvent, TrainerRow, read_records
+from utils.config import Config
 
 
-def read_run(run_dir: Path) -> dict:
+def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     """A finished run: its curve (one point per outer step, the models alive after that step's merge),
-    the real final metric, the best metric seen, merge diagnostics and what batches it really ran."""
+    the real final metric, the best metric seen, merge diagnostics and what batches it really ran.
+    reprice_on: a config that differs from the run's only in what the clock reads: its sim_time and clock figures
+    are those of that config's clock (repriced)."""
     report = run_dir / "model_training_report"
     rows = read_records(report / "training_log.csv", TrainerRow)
     merges = read_records(report / "merge_events.csv", MergeEvent)
@@ -39,6 +42,8 @@ def read_run(run_dir: Path) -> dict:
                       "rounds": last.rounds or 0, "syncs": last.syncs or 0, "bytes": last.bytes_communicated or 0,
                       "wall": last.wall_time or 0.0, "sim_time": max(sim, default=0.0)})
     trained = [r for r in rows if r.outer_step != 0]
+    if reprice_on is not None:
+        summary = repriced(run_dir, summary, curve, reprice_on)
     return {"run_dir": run_dir, "curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
             "best_seen": summary.get("best_metric_seen"), "ran": ran_shapes([dataclasses.asdict(r) for r in trained]),
             "merges": [{"before": [float(v) for v in m.metric_before.split()], "weighted": m.metric_weighted_before,
@@ -78,3 +83,23 @@ def first_reaching(curve: list[dict], target: float, key: str, higher_is_better:
         if (point["metric"] >= target) if higher_is_better else (point["metric"] <= target):
             return point[key]
     return None
+
+
+def repriced(run_dir: Path, summary: dict, curve: list[dict], cfg: Config) -> dict:
+    """The run's rounds replayed through the clock `cfg` describes (benchmarks/network.py: the same clock the run
+    drove live, fed from its logs): the curve's sim_time in place, and the summary's clock figures."""
+    from algorithms.clock import ThroughputCurve
+    from algorithms.network import describe, parse_network
+    from benchmarks import network
+
+    rounds, weight_bytes, _ = network.read_rounds(run_dir, logged=True)  # what the run's live clock charged
+    throughput = ThroughputCurve.flat(cfg.node_tokens_per_s) if cfg.throughput == "flat" else \
+        ThroughputCurve.load(cfg.throughput)
+    clock, times = network.replay(rounds, parse_network(cfg.network), throughput, weight_bytes, cfg.node_speeds)
+    for point in curve:
+        point["sim_time"] = times.get(point["step"], point["sim_time"])
+    return {**summary, "sim_time_s": clock.now, "utilisation": clock.utilisation(),
+            "goodput_tokens_per_s": clock.goodput(), "busy_node_seconds": sum(clock.busy),
+            "idle_node_seconds": clock.idle(), "sim_time_to_target_s": None, "target_metric": cfg.target_metric or None,
+            "repriced": True, "clock": {"network": describe(clock.network), "throughput": throughput.source,
+                                        "node_speeds": cfg.node_speeds}}

@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from benchmarks.compare.options import Options
-from benchmarks.compare.pricing import clock_report, network_report
+from benchmarks.compare.pricing import clock_report, cluster_sections, network_report
 from benchmarks.compare.reader import first_reaching, value_at
 from benchmarks.compare.shared import mean_std, plt_, table
 from benchmarks.theory import communication_bound
@@ -120,6 +120,7 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
              f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
              f"{args.max_tokens}{warm}; target {metric}: {report['target']:.4g} "
              f"({'given' if args.target else report['reference'] + ' final mean'}).", "",
+             *(cluster_sections(results, metric, report["target"], args) if args.cluster else []),
              f"## Final models ({metric} of the real final model, mean and std over seeds; best seen during the run)",
              "", *table(report["main"], ["variant", "ran", "final_mean", "final_std", "best_seen_mean", "tokens",
                                           "rounds", "syncs", "bytes", "wall", "merges", "max_requested_batch",

@@ -86,20 +86,45 @@ def run_child(cmd: list[str], log_path: Path) -> int:
             raise
 
 
-def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: Path, extra: list[str]) -> Path:
-    """One variant and seed, run (or its finished run reused when its config is the same): its run directory."""
+# What only the simulated clock reads (docs/clock.md): a finished run that differs in these alone has the same
+# numbers, so it is re-priced on the new clock, not retrained. Device speeds count only without
+# inner_steps_by_speed (which sets inner steps from them); a measured curve is measured by training's process.
+CLOCK_ONLY_KEYS = ("network", "throughput", "node_tokens_per_s", "target_metric")
+
+
+def numbers_of(values: dict) -> dict:
+    """A resolved config without what only the clock reads."""
+    out = {k: v for k, v in values.items() if k not in CLOCK_ONLY_KEYS}
+    if values.get("throughput") == "measured":
+        out["throughput"] = "measured"
+    if not values.get("inner_steps_by_speed"):
+        out["devices"] = [{"device": d, "memory_mb": 0.0} if isinstance(d, str) else
+                          {k: v for k, v in d.items() if k != "speed"} for d in values.get("devices", [])]
+    return out
+
+
+def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: Path, extra: list[str]
+                ) -> tuple[Path, Config | None]:
+    """One variant and seed, run (or its finished run reused when its config is the same): its run directory, and
+    the config to re-price it on when it differs from the finished run only in what the clock reads (else None)."""
     run_name = f"{name}_seed{seed}"
     run_dir = out / "runs" / run_name
     run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={out / 'runs'}",
                 f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
                 f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
     if (run_dir / "summary.json").is_file() and not args.rerun:
-        changes = config_changes(run_dir, resolved(args.config, run_args))
+        wanted = resolved(args.config, run_args)
+        changes = config_changes(run_dir, wanted)
         if not changes:
-            return run_dir  # finished earlier with this very config: resume the comparison instead of redoing it
+            return run_dir, None  # finished earlier with this very config: resume the comparison, not redo it
         if stops_where_asked(run_dir, changes, load_config(args.config, run_args)):
             print(f"{run_name}: reusing {run_dir}: it ran the same, and stopped where this budget stops it")
-            return run_dir
+            return run_dir, None
+        if numbers_of(resolved(run_dir / "config.yaml", [])) == numbers_of(wanted):
+            keys = ", ".join(change.split(":", 1)[0] for change in changes)
+            print(f"{run_name}: re-pricing {run_dir} on the new clock, not retraining: it differs only in what the "
+                  f"clock reads ({keys})")
+            return run_dir, load_config(args.config, run_args)
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
     if run_dir.exists():
@@ -107,7 +132,7 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
     cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *run_args]
     if run_child(cmd, out / "runs" / f"{run_name}.out") != 0:
         raise SystemExit(f"variant {name} (seed {seed}) failed; see {out / 'runs' / f'{run_name}.out'}")
-    return run_dir
+    return run_dir, None
 
 
 def warm_start(args: Options, out: Path) -> list[str]:
