@@ -51,7 +51,9 @@ class AnalysisConfig:
     chunk_size: int = documented(8, "Largest number of samples in one forward/backward pass.", min=1)
     eta: float = documented(0.8, "eta of the norm test for the requested-batch column.", min=1e-6)
     device: str = documented("cpu", "cpu, cuda or cuda:N (cuda falls back to cpu when unavailable).")
-    output_dir: str = documented("gradient_plots", "Where PNGs, JSON and CSV go.")
+    output_dir: str = documented("", "Where PNGs, JSON and CSV go; empty = beside the checkpoint's run "
+                                 "(RUN/gradient_analysis/<checkpoint>), or, for a checkpoint outside a run or the "
+                                 "preset at initialisation, the training config's log_dir/gradient_analysis/<name>.")
     seed: int = documented(42, "Seed of the sample choice and the mini-batch shuffles.", min=0)
     clearml_mode: str = documented("off", "Report to ClearML: off, offline, online, auto.",
                            choices=("off", "offline", "online", "auto"))
@@ -197,11 +199,33 @@ def check_checkpoint(path: Path) -> None:
 def find_train_config(cfg: AnalysisConfig) -> Path:
     if cfg.train_config:
         return Path(cfg.train_config)
-    if cfg.checkpoint_path:
-        for parent in Path(cfg.checkpoint_path).expanduser().resolve().parents:
-            if (parent / "config.yaml").is_file() and (parent / "model_weights").is_dir():
-                return parent / "config.yaml"  # the run directory the checkpoint belongs to
+    run_dir = run_dir_of(Path(cfg.checkpoint_path)) if cfg.checkpoint_path else None
+    if run_dir is not None:
+        return run_dir / "config.yaml"  # the run directory the checkpoint belongs to
     return Path(__file__).resolve().parents[1] / "config.yaml"
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint belongs to (it holds config.yaml and model_weights/), if any."""
+    for parent in checkpoint.expanduser().resolve().parents:
+        if (parent / "config.yaml").is_file() and (parent / "model_weights").is_dir():
+            return parent
+    return None
+
+
+def output_dir_of(cfg: AnalysisConfig, log_dir: str) -> Path:
+    """output_dir, or where the analysis of this checkpoint belongs: beside its run (never the repository root)."""
+    if cfg.output_dir:
+        return Path(cfg.output_dir).expanduser()
+    if not cfg.checkpoint_path:
+        return Path(log_dir).expanduser() / "gradient_analysis" / "initialisation"
+    checkpoint = Path(cfg.checkpoint_path).expanduser().resolve()
+    run_dir = run_dir_of(checkpoint)
+    if run_dir is None:
+        return Path(log_dir).expanduser() / "gradient_analysis" / checkpoint.stem
+    inside = checkpoint.relative_to(run_dir / "model_weights") if checkpoint.is_relative_to(run_dir / "model_weights") \
+        else checkpoint.relative_to(run_dir)
+    return run_dir / "gradient_analysis" / "_".join(p.removesuffix(".safetensors") for p in inside.parts)
 
 
 def plot_histograms(results: dict[int, BatchSizeResult], summaries: dict[int, dict], info: dict, out: Path) -> list:
@@ -258,10 +282,12 @@ def run(cfg: AnalysisConfig) -> dict:
 
     train_cfg_path = find_train_config(cfg)
     train_cfg = load_config(train_cfg_path, cfg.train_overrides)
+    out = output_dir_of(cfg, train_cfg.log_dir)
     device = cfg.device if (not cfg.device.startswith("cuda") or torch.cuda.is_available()) else "cpu"
     checkpoint = Path(cfg.checkpoint_path).expanduser() if cfg.checkpoint_path else None
     if checkpoint is not None:
         check_checkpoint(checkpoint)  # a missing or damaged checkpoint fails before any data work
+    log.info("gradient analysis of %s: outputs go to %s", cfg.checkpoint_path or "the preset at initialisation", out)
     data = load_corpus(train_cfg)
     if cfg.num_samples > len(data.train):
         raise UserError(f"num_samples: {cfg.num_samples} requested, the data has {len(data.train)} sequences")
@@ -272,7 +298,6 @@ def run(cfg: AnalysisConfig) -> dict:
     probe = GradientProbe(model, data.train, device, cfg.chunk_size)
     full, results = analyse(probe, sample, sorted(set(cfg.batch_sizes)), cfg.repeats, cfg.seed)
     summaries = {b: r.summary(cfg.eta) for b, r in results.items()}
-    out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     info = {"model": train_cfg.model_config.name, "checkpoint": cfg.checkpoint_path or "initialisation",
             "dataset": train_cfg.dataset, "num_samples": cfg.num_samples, "parameters": n_params,

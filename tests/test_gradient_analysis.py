@@ -156,3 +156,18 @@ def test_histogram_figures_use_their_width_and_clip_nothing(tmp_path):
     assert x1 > 0.9 * width, f"the right {1 - x1 / width:.0%} of the figure is blank"
     assert m["axes"][2] > 0.55, f"the histogram takes only {m['axes'][2]:.0%} of the width"
     assert 0 <= m["title"][0] and m["title"][2] <= width, f"title clipped: {m['title']}"
+
+
+def test_by_default_the_analysis_goes_beside_the_checkpoints_run_and_says_so_first(tmp_path, tiny_config):
+    from run import train
+
+    run_dir, summary = train(tiny_config("run_name=beside", "num_outer_steps=1"))
+    trainer = run_dir / "model_weights" / "final" / f"trainer_{summary['final_trainer']}.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "gradient_analysis.gradient_analysis", f"checkpoint_path={trainer}",
+                           "num_samples=8", "batch_sizes=[2]", "repeats=1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = run_dir / "gradient_analysis" / f"final_trainer_{summary['final_trainer']}"
+    assert proc.stderr.splitlines()[0] == f"gradient analysis of {trainer}: outputs go to {out}"
+    assert (out / "gradient_analysis.json").is_file() and (out / "gradient_summary.csv").is_file()
+    assert not (ROOT / "gradient_plots").exists()
