@@ -120,7 +120,7 @@ class ClusterController:
         self.clock = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(self.nodes)), self.sizes,
                                outer_sync.exact, self.streaming is not None, cfg.node_speeds, cfg.num_inner_steps,
                                cfg.sync_delay, cfg.inner_steps_by_speed, cfg.target_metric,
-                               self.evaluator.higher_is_better)
+                               self.evaluator.higher_is_better, outer_sync.ring)
         self.driver = RoundDriver(cfg, self.nodes, self.state, self.backend, self.clock, self.evaluator, policies,
                                   self.sizes, outer_sync, merge_sync, self.streaming is not None, grad_chunks,
                                   data.train.tokens_per_sequence)
@@ -342,6 +342,8 @@ class ClusterController:
         }
         if self.streaming is not None:  # each node's payload per fragment (benchmarks/network.py prices them)
             summary["fragment_bytes"] = list(self.sizes.fragment_bytes)
+        if not self.driver.outer_sync.exact:  # how the encoded payloads travelled (runs before the ring: gathered)
+            summary["compressed_sync"] = "ring" if self.driver.outer_sync.ring else "all_gather"
         if sent is not None:  # weights == bytes_communicated: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent
         if not math.isfinite(scores[final_id]):

@@ -141,6 +141,15 @@ def empty_wire(sync: OuterSync, numel: int, device: torch.device | str) -> torch
     return torch.zeros(wire_size(sync, numel), dtype=torch.float32 if sync.exact else torch.uint8, device=device)
 
 
+@dataclass
+class RingArrival:
+    """A fragment's ring as a member ends it: every owner's reduced shard, in shard order, and whether any node
+    contributed (a shard's flag)."""
+
+    reduced: list[torch.Tensor]
+    contributed: bool
+
+
 @torch.no_grad()
 def fragment_average(sync: OuterSync, master: dict[str, torch.Tensor], names: list[str],
                      wires: list[torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -152,8 +161,11 @@ def fragment_average(sync: OuterSync, master: dict[str, torch.Tensor], names: li
         summed = wires.to(device)
         count = float(summed[-1])
         return unflatten(summed[:-1] / count, fragment, names) if count > 0 else None
+    if isinstance(wires, RingArrival):  # torchrun's ring: the owners' reduced shards
+        return sync.ring_mean(fragment, wires.reduced) if wires.contributed else None
     good = [w[:-FLAG_BYTES] for w in wires if int(w[-FLAG_BYTES]) == 1]
-    return sync.node_mean(fragment, good) if good else None
+    return sync.mean_of(fragment, good, len(wires)) if good else None
+
 
 
 def send_fragment(node: Node, master: dict[str, torch.Tensor], names: list[str], span: tuple[int, int],
@@ -187,12 +199,14 @@ def token_shares(tokens: list[float]) -> list[float]:
 
 def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: torch.dtype = torch.float64,
             sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None,
-            streamed: bool = False, by_tokens: bool = False) -> dict[int, RoundResult]:
+            streamed: bool = False, by_tokens: bool = False, members: dict[int, int] | None = None
+            ) -> dict[int, RoundResult]:
     """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
     order (compressed: master minus the mean of the decoded pseudo-gradients, `masters` giving each trainer's);
     and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype).
     streamed: the fragments' outer steps already ran during the round; no mean is taken.
-    by_tokens (inner_steps_by_speed): each node weighs in by its share of the trainer's tokens."""
+    by_tokens (inner_steps_by_speed): each node weighs in by its share of the trainer's tokens.
+    members: each trainer's number of nodes this round, failed ones included (the owners of a compressed ring)."""
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
@@ -202,7 +216,8 @@ def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", w
         if streamed:
             mean = None
         elif sync is not None and not sync.exact:
-            mean = sync.node_mean(masters[trainer_id], [r.payload for r in group], shares)
+            mean = sync.mean_of(masters[trainer_id], [r.payload for r in group],
+                                (members or {}).get(trainer_id, len(group)), shares)
         else:
             mean = {}
             for name in group[0].state:

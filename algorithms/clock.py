@@ -36,6 +36,7 @@ from pathlib import Path
 
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.network import Network
+from algorithms.streaming import FLAG_BYTES
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,24 +144,26 @@ class ThroughputCurve:
 class SyncCost:
     """What a trainer's nodes send per round (sizes per node, in bytes)."""
 
-    sync_bytes: int = 0  # outer_compression: each node's encoded payload, all-gathered (0: fp32 all-reduce of P)
+    sync_bytes: int = 0  # outer_compression: each node's encoded payload (0: fp32 all-reduce of P)
     fragment_bytes: tuple[int, ...] = ()  # Streaming DiLoCo: each fragment's payload (one collective each)
     overlap_steps: int = 0  # sync_delay: inner steps a fragment's collective overlaps
     inner_steps: int = 1
     statistics_bytes: int = 0  # the batch test's statistics (both reductions; 0: none travel)
+    ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
 
     def seconds(self, net: Network, num_nodes: int, weight_bytes: int, compute: float) -> float:
         """What the collectives add after the slowest node's `compute` seconds."""
         if num_nodes <= 1:
             return 0.0
-        gathered = self.sync_bytes > 0
+        gathered = self.sync_bytes > 0 and not self.ring
+        flags = FLAG_BYTES * (num_nodes - 1) if self.sync_bytes and self.ring else 0  # each shard message's flag
 
         def collective(nbytes: int) -> float:
             return net.allgather(num_nodes, nbytes) if gathered else net.allreduce(num_nodes, nbytes)
 
         if self.fragment_bytes:
             hidden = self.overlap_steps * compute / self.inner_steps
-            total = sum(max(0.0, collective(b) - hidden) for b in self.fragment_bytes)
+            total = sum(max(0.0, collective(b + flags) - hidden) for b in self.fragment_bytes)
         else:
             total = collective(self.sync_bytes or weight_bytes)
         if self.statistics_bytes:

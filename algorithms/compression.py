@@ -37,6 +37,7 @@ def _chunked(x: torch.Tensor) -> torch.Tensor:
 class Compressor:
     name = ""
     lossless = False
+    reducible = False  # its payloads can be cut into CHUNK-aligned shards, reduced by shard owners (the ring)
 
     def payload_bytes(self, numel: int) -> int:
         raise NotImplementedError
@@ -47,6 +48,11 @@ class Compressor:
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """uint8 [payload_bytes(n)] -> fp32 [n]."""
+        raise NotImplementedError
+
+    def shard(self, payload: torch.Tensor, numel: int, start: int, stop: int) -> torch.Tensor:
+        """The encoding of entries [start, stop) cut out of a payload of `numel` entries, `start` a multiple of
+        CHUNK and `stop` one or `numel`: byte for byte what encoding those entries alone gives."""
         raise NotImplementedError
 
 
@@ -64,7 +70,10 @@ class NoCompression(Compressor):
 
 
 class BF16(Compressor):
-    name = "bf16"
+    name, reducible = "bf16", True
+
+    def shard(self, payload, numel, start, stop):
+        return payload[2 * start:2 * stop]
 
     def payload_bytes(self, numel):
         return 2 * numel
@@ -80,9 +89,15 @@ class ChunkScaled(Compressor):
     """One fp32 scale per chunk of CHUNK entries, one byte per entry."""
 
     levels = 127.0
+    reducible = True
 
     def payload_bytes(self, numel):
         return numel + 4 * math.ceil(numel / CHUNK)
+
+    def shard(self, payload, numel, start, stop):
+        chunks = math.ceil(numel / CHUNK)
+        scales = payload[4 * (start // CHUNK):4 * math.ceil(stop / CHUNK)]  # the shard's own chunks' scales
+        return torch.cat([scales, payload[4 * chunks + start:4 * chunks + stop]])
 
     def scales(self, chunks: torch.Tensor) -> torch.Tensor:
         absmax = chunks.abs().amax(dim=1, keepdim=True)

@@ -10,15 +10,31 @@ those, as before (an all-reduce under torchrun).
 Compressed: node i sends its pseudo-gradient delta_i = master - w_i, plus its error-feedback residual
 e_i, encoded: payload_i = encode(delta_i + e_i); with error feedback the node keeps
 e_i <- delta_i + e_i - decode(payload_i), what compression dropped, and adds it next round (Seide et
-al. 2014; Karimireddy et al. 2019), so nothing is lost for good, only delayed. The trainer's node mean is
-master - mean_i decode(payload_i), in fp32, summed in node-id order; its outer step then runs as usual.
+al. 2014; Karimireddy et al. 2019), so nothing is lost for good, only delayed.
+
+How the payloads travel and are averaged, for a trainer of n > 1 nodes:
+- bf16, fp8, int8 (reducible): a ring of quantized shards, as torchft's quantized all-reduce and prime's int8
+  ring do. The payload is cut into n CHUNK-aligned shards (`ring_spans`; shard j is exactly the encoding of
+  entries j alone, with its own chunks' scales); shard j goes to node j (a reduce-scatter of encoded
+  shards), which decodes every node's shard j, sums them in fp32 in node-id order, divides, and re-encodes
+  the mean with per-chunk scales of its own (`reduce_shard`); the reduced shards are then all-gathered and
+  decoded (`ring_mean`). Each node sends about 2 (n-1)/n of the payload, 2 (n-1) C in all: the bytes fall
+  with the compression at any n. The owner's re-quantization error is not fed back: error feedback stays
+  on each node's own encoding (torchft and prime do the same); it is one more rounding of the mean, of the
+  size of one node's, and does not accumulate (the next round's mean is quantized afresh).
+- top-k (sparse payloads do not reduce shard by shard): each node's payload is all-gathered, n (n-1) C
+  in all, and every node takes master - mean_i decode(payload_i), in fp32, in node-id order.
+A one-node trainer sends nothing and takes its own decoded payload. Either way the outer step then runs as
+usual.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from algorithms.compression import Compressor, build_compressor
+from algorithms.compression import CHUNK, Compressor, build_compressor
 
 
 def flatten(state: dict[str, torch.Tensor], names: list[str], device: torch.device | str) -> torch.Tensor:
@@ -43,6 +59,63 @@ class OuterSync:
     def exact(self) -> bool:
         """The nodes' fp32 weights are averaged directly (no pseudo-gradients on the wire)."""
         return self.compressor.lossless
+
+    @property
+    def ring(self) -> bool:
+        """The payloads travel as a ring of quantized shards (reducible compression), not all-gathered."""
+        return not self.exact and self.compressor.reducible
+
+    @staticmethod
+    def ring_spans(numel: int, num_shards: int) -> list[tuple[int, int]]:
+        """The entries of each node's shard: contiguous, a whole number of CHUNKs each (the last may be short,
+        trailing ones empty), so a shard's scales are its own."""
+        per = math.ceil(math.ceil(numel / CHUNK) / num_shards) * CHUNK
+        return [(min(j * per, numel), min((j + 1) * per, numel)) for j in range(num_shards)]
+
+    def shards(self, payload: torch.Tensor, numel: int, num_shards: int) -> list[torch.Tensor]:
+        """A node's payload cut into the shards of `ring_spans` (the bytes it sends to each owner)."""
+        return [self.compressor.shard(payload, numel, a, b) if b > a else payload[:0]
+                for a, b in self.ring_spans(numel, num_shards)]
+
+    @torch.no_grad()
+    def reduce_shard(self, parts: list[torch.Tensor], length: int, shares: list[float] | None = None,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+        """An owner's shard: the good nodes' shards decoded and summed in fp32 in the order given (node-id order),
+        divided by their number (or weighted by `shares`), re-encoded with its own scales."""
+        total = torch.zeros(length, dtype=torch.float32, device=device)
+        for i, part in enumerate(parts):
+            decoded = self.compressor.decode(part.to(device), length)
+            total += decoded if shares is None else decoded * shares[i]
+        return self.compressor.encode(total / len(parts) if shares is None else total)
+
+    @torch.no_grad()
+    def ring_mean(self, master: dict[str, torch.Tensor], reduced: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """master - the mean pseudo-gradient from the owners' reduced shards (in shard order)."""
+        names = sorted(master)
+        device = next(iter(master.values())).device
+        numel = sum(master[n].numel() for n in names)
+        spans = self.ring_spans(numel, len(reduced))
+        mean = torch.cat([self.compressor.decode(r.to(device), b - a) for r, (a, b) in zip(reduced, spans)])
+        return unflatten(flatten(master, names, device) - mean, master, names)
+
+    def ring_node_mean(self, master: dict[str, torch.Tensor], payloads: list[torch.Tensor], num_shards: int,
+                       shares: list[float] | None = None) -> dict[str, torch.Tensor]:
+        """The ring computed in one process: the good nodes' `payloads` (node-id order) among `num_shards` owners
+        (the trainer's nodes, failed ones included): what every node of a real ring ends with."""
+        numel = sum(v.numel() for v in master.values())
+        device = next(iter(master.values())).device
+        cut = [self.shards(p, numel, num_shards) for p in payloads]
+        reduced = [self.reduce_shard([c[j] for c in cut], b - a, shares, device)
+                   for j, (a, b) in enumerate(self.ring_spans(numel, num_shards))]
+        return self.ring_mean(master, reduced)
+
+    def mean_of(self, master: dict[str, torch.Tensor], payloads: list[torch.Tensor], num_nodes: int,
+                shares: list[float] | None = None) -> dict[str, torch.Tensor]:
+        """What a trainer of `num_nodes` nodes averages from its good nodes' `payloads`: the ring for a reducible
+        compression among several nodes, else every payload decoded (node_mean)."""
+        if self.ring and num_nodes > 1:
+            return self.ring_node_mean(master, payloads, num_nodes, shares)
+        return self.node_mean(master, payloads, shares)
 
     def payload_bytes(self, numel: int) -> int:
         return self.compressor.payload_bytes(numel)

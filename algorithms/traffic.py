@@ -8,10 +8,14 @@ syncs               per-trainer all-reduces that actually cross nodes (a trainer
 allreduce_bytes     a ring all-reduce of the fp32 pseudo-gradients among a trainer's n nodes: each node
                     sends 2 (n-1)/n x P, so 2 (n-1) x P in all; 0 for n = 1. Every node then applies the
                     same outer step to its own copy of the trainer's weights, so no weights move.
-                    With outer_compression, each node's encoded pseudo-gradient C (values, scales,
-                    indices) is all-gathered instead: n (n-1) x C in all. Streaming DiLoCo
-                    (sync_fragments): one such collective per fragment, each payload with a 4-byte
-                    count (exact) or flag (compressed); each counts as a sync.
+                    With outer_compression bf16 / fp8 / int8, each node's encoded pseudo-gradient C
+                    (values and scales) travels as a ring of quantized shards (a reduce-scatter of
+                    encoded shards, then an all-gather of the re-encoded reduced shards): 2 (n-1) x C in
+                    all, as a ring all-reduce of C. top-k's payloads (values, indices) are all-gathered:
+                    n (n-1) x C in all. Streaming DiLoCo (sync_fragments): one such collective per
+                    fragment, each payload with a 4-byte count (exact) or flag (compressed; in a ring
+                    every shard message carries the sender's flag, 2 (n-1) x (C + 4 n) in all); each
+                    counts as a sync.
 merge_bytes         the absorbed trainers' fp32 weights (and outer momentum, when it exists) travel to
                     the survivor's first node, which computes the weighted average (encoded by
                     merge_compression, when set).
@@ -47,13 +51,17 @@ class Traffic:
     def bytes_communicated(self) -> int:
         return self.allreduce_bytes + self.merge_bytes + self.node_move_bytes
 
-    def trainer_sync(self, num_nodes: int, payload_bytes: int, gathered: bool = False) -> None:
-        """One trainer's outer step over `num_nodes` nodes: a ring all-reduce of the fp32 payload, or (gathered,
-        a compressed sync) an all-gather of each node's encoded payload, n (n - 1) x payload in all."""
+    def trainer_sync(self, num_nodes: int, payload_bytes: int, gathered: bool = False, shard_flag_bytes: int = 0
+                     ) -> None:
+        """One trainer's outer step over `num_nodes` nodes: a ring of the payload (an fp32 all-reduce, or the
+        ring of quantized shards), or (gathered: top-k) an all-gather of each node's encoded payload, n (n - 1) x
+        payload in all. shard_flag_bytes: a streamed fragment's flag, which each shard message of a ring carries
+        (the payload counts one already)."""
         if num_nodes > 1:
             self.syncs += 1
-            self.allreduce_bytes += (num_nodes * (num_nodes - 1) * payload_bytes if gathered
-                                     else ring_allreduce_bytes(num_nodes, payload_bytes))
+            self.allreduce_bytes += (
+                num_nodes * (num_nodes - 1) * payload_bytes if gathered
+                else ring_allreduce_bytes(num_nodes, payload_bytes + shard_flag_bytes * (num_nodes - 1)))
 
     def statistics(self, num_nodes: int, payload_bytes: int) -> None:
         """One trainer's batch-test statistics: ring all-reduces of each node's `payload_bytes`."""

@@ -46,6 +46,7 @@ from algorithms.network import (  # noqa: F401  (the network model's names, for 
     parse_network,
 )
 from algorithms.outer_sync import OuterSync
+from algorithms.streaming import FLAG_BYTES
 from algorithms.traffic import ring_allreduce_bytes
 from training_logs.records import MergeEvent, TrainerRow, read_records
 
@@ -55,7 +56,7 @@ class TrainerRound:
     num_nodes: int
     tokens: float  # tokens all the trainer's nodes processed in the round
     statistics_bytes: int = 0  # the batch test's statistics per node, both reductions (0: none travel)
-    sync_bytes: int = 0  # outer_compression: each node's encoded payload, all-gathered (0: fp32 all-reduce of P)
+    sync_bytes: int = 0  # outer_compression: each node's encoded payload (0: fp32 all-reduce of P)
     # Streaming DiLoCo: each fragment's payload per node (one collective each; empty: one sync of the whole
     # model), the inner steps a collective overlaps (sync_delay) and the round's inner steps
     fragment_bytes: tuple[int, ...] = ()
@@ -66,17 +67,20 @@ class TrainerRound:
     micro_batch: int = 1
     accumulation: int = 1
     receivers: tuple[int, ...] = ()  # nodes that received the trainer's state before the round (node moves)
+    ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
 
     @property
     def cost(self) -> SyncCost:
         return SyncCost(self.sync_bytes, self.fragment_bytes, self.overlap_steps, self.inner_steps,
-                        self.statistics_bytes)
+                        self.statistics_bytes, self.ring)
 
     def sent_bytes(self, weight_bytes: int) -> int:
         """All nodes' outer-sync bytes in the round, on algorithms/traffic.py's definitions."""
         n = self.num_nodes
         payloads = self.fragment_bytes or (self.sync_bytes or weight_bytes,)
-        return sum(n * (n - 1) * b if self.sync_bytes else ring_allreduce_bytes(n, b) for b in payloads)
+        flags = FLAG_BYTES * (n - 1) if self.fragment_bytes and self.sync_bytes and self.ring else 0
+        return sum(n * (n - 1) * b if self.sync_bytes and not self.ring else ring_allreduce_bytes(n, b + flags)
+                   for b in payloads)
 
 
 @dataclass
@@ -177,6 +181,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, logged: bool = False) ->
     weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     stats = _statistics_bytes(run_config, weight_bytes, statistics, logged)
     sync_bytes = _sync_bytes(run_config, weight_bytes)
+    ring = summary.get("compressed_sync") == "ring"  # runs made before the ring all-gathered their payloads
     streaming = {"fragment_bytes": tuple(summary.get("fragment_bytes") or ()),
                  "overlap_steps": int(run_config.get("sync_delay", 0)),
                  "inner_steps": int(run_config.get("num_inner_steps", 1))}
@@ -201,7 +206,8 @@ def read_rounds(run_dir: Path, statistics: bool = True, logged: bool = False) ->
             work.trainers.append(TrainerRound(r.num_nodes, seen - tokens_before.get(t, 0.0),
                                               stats, sync_bytes, **streaming, trainer_id=t, nodes=nodes,
                                               micro_batch=r.loader_batch or 1,
-                                              accumulation=r.accumulation_steps or 1, receivers=receivers))
+                                              accumulation=r.accumulation_steps or 1, receivers=receivers,
+                                              ring=ring))
             tokens_before[t] = seen
         for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
             for merged in map(int, m.merged.split()):

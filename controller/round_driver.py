@@ -13,6 +13,7 @@ from collections.abc import Callable
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.clock import NodeWork
 from algorithms.outer_sync import OuterSync
+from algorithms.streaming import FLAG_BYTES
 from controller.build import WireSizes
 from controller.clock_feed import ClockFeed
 from controller.state import STALE, ClusterState
@@ -205,7 +206,9 @@ class RoundDriver:
         trainer, state, sizes = self.trainers[t], self.state, self.sizes
         requested_before = trainer.requested_batch
         for payload in sizes.fragment_bytes if self.streaming else [sizes.sync_bytes]:
-            state.traffic.trainer_sync(len(res.nodes), payload, gathered=not self.outer_sync.exact)
+            state.traffic.trainer_sync(len(res.nodes), payload,
+                                       gathered=not (self.outer_sync.exact or self.outer_sync.ring),
+                                       shard_flag_bytes=FLAG_BYTES if self.streaming and self.outer_sync.ring else 0)
         if res.statistics is not None:
             state.traffic.statistics(len(res.nodes), sizes.statistics_bytes)
         state.seen(evaluation.value, self.evaluator.higher_is_better)

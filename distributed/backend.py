@@ -44,9 +44,9 @@ import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.outer_sync import OuterSync
-from algorithms.streaming import StreamingPlan
+from algorithms.streaming import FLAG_BYTES, StreamingPlan
 from distributed.streamed import LEFT, streamed_round
-from rounds import NodeFault, RoundResult, advance, empty_wire, run_node, token_shares
+from rounds import NodeFault, RingArrival, RoundResult, advance, empty_wire, run_node, token_shares
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
 from utils.run_state import process_start_time
@@ -108,6 +108,40 @@ class DistributedBackend:
         n = len(members)
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return on_device
+
+    def _all_to_all(self, tensor: torch.Tensor, in_splits: list[int], out_splits: list[int],
+                    members: tuple[int, ...], kind: str, async_op: bool = False):
+        """The member of group rank j (the j-th of the sorted members) gets in_splits[j] entries of `tensor`;
+        out_splits: what each sends this rank, in the same order. Returns (the received tensor, the work when
+        async_op). What this rank sends to the others is counted."""
+        start = time.perf_counter()
+        on_device = tensor.to(self.comm_device)
+        out = torch.empty(sum(out_splits), dtype=on_device.dtype, device=self.comm_device)
+        work = dist.all_to_all_single(out, on_device, out_splits, in_splits, group=self._group(members),
+                                      async_op=async_op)
+        if not async_op and out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        sent = (sum(in_splits) - in_splits[sorted(members).index(self.rank)]) * on_device.element_size()
+        self._count(kind, sent, 0.0 if async_op else time.perf_counter() - start)
+        return out, work
+
+    def _ring(self, master: dict[str, torch.Tensor], payload: torch.Tensor, members: tuple[int, ...],
+              good: list[int], shares: list[float] | None) -> dict[str, torch.Tensor]:
+        """A compressed sync as a ring of quantized shards (algorithms/outer_sync.py): this rank's payload cut
+        into one shard per member, shard j sent to member j (a reduce-scatter of encoded shards), this rank's
+        shard reduced from the good nodes' (node-id order) and re-encoded, then every reduced shard sent to
+        every member (an all-gather); master minus the decoded mean."""
+        ranks = sorted(members)  # shard j's owner: group rank j
+        n, mine = len(ranks), ranks.index(self.rank)
+        shards = self.sync.shards(payload.to(self.comm_device), self.numel, n)
+        sizes = [s.numel() for s in shards]
+        received, _ = self._all_to_all(torch.cat(shards), sizes, [sizes[mine]] * n, members, "weights")
+        parts = dict(zip(ranks, received.split(sizes[mine])))
+        a, b = self.sync.ring_spans(self.numel, n)[mine]
+        device = next(iter(master.values())).device
+        reduced = self.sync.reduce_shard([parts[g] for g in good], b - a, shares, device)
+        gathered, _ = self._all_to_all(reduced.repeat(n), [sizes[mine]] * n, sizes, members, "weights")
+        return self.sync.ring_mean(master, list(gathered.split(sizes)))
 
     def _all_gather(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> list[torch.Tensor]:
         """Every member's tensor (same size everywhere), in the order of `members`."""
@@ -236,12 +270,16 @@ class DistributedBackend:
             if len(members[mine]) > 1:
                 weights = self._all_reduce(weights, members[mine], "weights")
             node_mean = self._unflat(weights.to(self.master_device) / (1 if self.by_tokens else len(own)))
-        elif own:  # compressed: every member decodes every good node's payload
+        elif own:  # compressed: a ring of quantized shards, or (top-k) every member decodes every good payload
             payload = outcome.payload if good else torch.zeros(self.sync.payload_bytes(self.numel), dtype=torch.uint8)
-            parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
             shares = token_shares([f["tokens"] for f in own]) if self.by_tokens else None
-            node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(f["node_id"])] for f in own],
-                                            shares)
+            good_ids = [f["node_id"] for f in own]  # node-id order, as the simulation sums
+            if self.sync.ring and len(members[mine]) > 1:
+                node_mean = self._ring(job.master, payload, members[mine], good_ids, shares)
+            else:
+                parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
+                node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(g)] for g in good_ids],
+                                                shares)
         if own and any(f["has_samples"] for f in own):
             statistics = self._statistics(outcome if good else None, members[mine])
         # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.
@@ -265,12 +303,21 @@ class DistributedBackend:
         abandoned = outcome is LEFT
         return (None if abandoned else outcome), abandoned, errors.get(job.trainer_id, "")
 
-    def _start(self, wire: torch.Tensor, members: tuple[int, ...]) -> tuple:
-        """Launch a fragment's collective (async_op): the exact wires are summed, the encoded ones gathered."""
+    def _start(self, wire: torch.Tensor, members: tuple[int, ...], numel: int) -> tuple:
+        """Launch a fragment's collective (async_op): the exact wires are summed, the encoded ones sent as a ring's
+        shards (each with the node's flag) or (top-k) gathered."""
         on_device = wire.to(self.comm_device)
         n = len(members)
         if n == 1:
             return None, on_device
+        if self.sync.ring:
+            flag = on_device[-FLAG_BYTES:]
+            shards = [torch.cat([s, flag]) for s in self.sync.shards(on_device[:-FLAG_BYTES], numel, n)]
+            sizes = [s.numel() for s in shards]
+            mine = sorted(members).index(self.rank)  # shard j's owner: group rank j
+            received, work = self._all_to_all(torch.cat(shards), sizes, [sizes[mine]] * n, members, "weights",
+                                              async_op=True)
+            return work, _RingHalf(received, sizes, numel)
         nbytes = on_device.numel() * on_device.element_size()
         if self.sync.exact:
             work = dist.all_reduce(on_device, group=self._group(members), async_op=True)
@@ -288,12 +335,31 @@ class DistributedBackend:
             work.wait()
             if self.comm_device != "cpu" and torch.cuda.is_available():
                 torch.cuda.synchronize(self.comm_device)
+        if isinstance(arrived, _RingHalf):
+            arrived = self._ring_second_half(arrived, members)
         self.round_comm["seconds"] += time.perf_counter() - start
         if isinstance(arrived, list):  # gathered in member order: into node-id order, as the simulation sums
             return [arrived[members.index(n)] for n in sorted(members)]
         if len(members) == 1 and not self.sync.exact:
             return [arrived]
         return arrived
+
+    def _ring_second_half(self, half: _RingHalf, members: tuple[int, ...]) -> RingArrival:
+        """A fragment's ring after its shards arrived: this rank's shard reduced from the nodes that contributed
+        (node-id order), re-encoded and sent to every member with a flag (any contributed)."""
+        ranks = sorted(members)  # shard j's owner: group rank j
+        n, mine = len(ranks), ranks.index(self.rank)
+        a, b = self.sync.ring_spans(half.numel, n)[mine]
+        parts = dict(zip(ranks, half.received.split(half.sizes[mine])))
+        good = [parts[r][:-FLAG_BYTES] for r in ranks if int(parts[r][-FLAG_BYTES]) == 1]
+        device = self.master_device
+        reduced = self.sync.reduce_shard(good, b - a, device=device) if good else \
+            torch.zeros(half.sizes[mine] - FLAG_BYTES, dtype=torch.uint8, device=device)
+        flag = torch.tensor([1 if good else 0, 0, 0, 0], dtype=torch.uint8, device=device)
+        mine_wire = torch.cat([reduced, flag])
+        gathered, _ = self._all_to_all(mine_wire.repeat(n), [half.sizes[mine]] * n, half.sizes, members, "weights")
+        wires = gathered.split(half.sizes)
+        return RingArrival([w[:-FLAG_BYTES] for w in wires], any(int(w[-FLAG_BYTES]) == 1 for w in wires))
 
     def _statistics(self, outcome: NodeResult | None, members: tuple[int, ...]):
         """The trainer's batch-test statistics: the nodes' vectors all-reduced in the wire dtype, then their
@@ -398,6 +464,16 @@ def no_comm() -> dict:
     return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0}
 
 
+@dataclasses.dataclass
+class _RingHalf:
+    """A fragment's ring between its two halves: the shards received by this rank (one per member, each with its
+    flag), their sizes and the fragment's entries."""
+
+    received: torch.Tensor
+    sizes: list[int]
+    numel: int
+
+
 class _Collectives:
     """A fragment's wires under torchrun: an asynchronous collective of the trainer's group per fragment."""
 
@@ -408,7 +484,7 @@ class _Collectives:
         (wire,) = wires  # this rank's node
         if wire is None:
             wire = empty_wire(self.backend.sync, numel, self.backend.comm_device)
-        return self.backend._start(wire, self.members)
+        return self.backend._start(wire, self.members, numel)
 
     def land(self, handle: tuple):
         return self.backend._land(*handle, self.members)

@@ -14,7 +14,7 @@ from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan
 from distributed.streamed import LEFT, streamed_round
 from fabrics.eval_tool import Evaluator
-from rounds import NodeFault, RoundResult, advance, combine, run_node, sum_wires
+from rounds import NodeFault, RoundResult, advance, combine, empty_wire, run_node, sum_wires
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 
 
@@ -56,8 +56,9 @@ class RoundBackend:
         outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}
+        members = {t: sum(j.trainer_id == t for j in jobs) for t in masters}
         return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
-                       self.statistics_wire, self.sync, masters, by_tokens=self.by_tokens), faults
+                       self.statistics_wire, self.sync, masters, by_tokens=self.by_tokens, members=members), faults
 
     def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
         """A Streaming DiLoCo round (distributed/streamed.py); a stop leaves it at once, every node together."""
@@ -104,13 +105,17 @@ class RoundBackend:
 
 
 class _Wires:
-    """A fragment's wires in this process: the good nodes' kept at the send, summed (exact) at the landing."""
+    """A fragment's wires in this process, kept at the send: the good nodes' summed at the landing (exact), or
+    every member's in node-id order (compressed: a node that contributes nothing sends an empty wire, as under
+    torchrun, so the ring has an owner for each member's shard)."""
 
     def __init__(self, sync: OuterSync, device: str) -> None:
         self.sync, self.device = sync, device
 
     def start(self, trainer_id: int, wires: list[torch.Tensor | None], numel: int) -> list[torch.Tensor]:
-        return [w for w in wires if w is not None]
+        if self.sync.exact:
+            return [w for w in wires if w is not None]
+        return [empty_wire(self.sync, numel, self.device) if w is None else w for w in wires]
 
     def land(self, wires: list[torch.Tensor]):
         if not wires:

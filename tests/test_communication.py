@@ -160,3 +160,58 @@ def test_norm_test_statistics_in_sketch_space_agree_with_the_exact_ones():
     assert sketched.weighted_dev == pytest.approx(exact.weighted_dev, rel=tolerance)
     test = NormTest(eta=0.5)
     assert test(sketched, 1, 2).requested_batch == test(exact, 1, 2).requested_batch
+
+
+# ----------------------------------------------------------------------------------------------
+# The ring of quantized shards (issue 33)
+
+
+def test_ring_shards_are_chunk_aligned_and_each_is_the_encoding_of_its_entries_alone():
+    assert OuterSync.ring_spans(2500, 2) == [(0, 2048), (2048, 2500)]
+    assert OuterSync.ring_spans(2500, 4) == [(0, 1024), (1024, 2048), (2048, 2500), (2500, 2500)]
+    x = torch.randn(2500, generator=torch.Generator().manual_seed(0))
+    for name in ("int8", "fp8", "bf16"):
+        sync = OuterSync(name)
+        assert sync.ring and not OuterSync("topk").ring and not OuterSync("none").ring
+        payload = sync.compressor.encode(x)
+        shards = sync.shards(payload, 2500, 4)
+        assert sum(s.numel() for s in shards) == payload.numel() == sync.payload_bytes(2500)
+        for shard, (a, b) in zip(shards, OuterSync.ring_spans(2500, 4)):
+            assert torch.equal(shard, sync.compressor.encode(x[a:b]))  # byte for byte
+        assert shards[3].numel() == 0
+
+
+def test_an_owner_sums_in_fp32_and_re_encodes_the_mean_with_its_own_scale_by_hand():
+    """int8, two nodes, one shard each way: node 0's delta [1, 0.5] travels as [127, 64] x 1/127 (63.5 rounds
+    half to even), node 1's [0, 0.25] as [0, 127] x 0.25/127; the owner's mean [0.5, 0.37697] is re-encoded
+    with the scale 0.5/127: [127, 96] (95.75 rounds up), so every node ends with [0.5, 96 x 0.5/127]."""
+    sync = OuterSync("int8")
+    master = {"w": torch.tensor([2.0, 2.0])}
+    payloads = [sync.encode(master, {"w": torch.tensor([1.0, 1.5])}, None)[0],
+                sync.encode(master, {"w": torch.tensor([2.0, 1.75])}, None)[0]]
+    ring = sync.ring_node_mean(master, payloads, 2)["w"]
+    mean = torch.tensor([0.5, 96 * (0.5 / 127)])
+    assert torch.allclose(ring, torch.tensor([2.0, 2.0]) - mean, rtol=0, atol=1e-7)
+    plain = sync.node_mean(master, payloads)["w"]  # every payload decoded: no re-encoding of the mean
+    assert plain[1].item() == pytest.approx(2.0 - (64 / 127 + 0.25) / 2, abs=1e-7) and plain[1] != ring[1]
+    assert torch.equal(sync.mean_of(master, payloads, 2)["w"], ring)
+    assert torch.equal(sync.mean_of(master, payloads[:1], 1)["w"], sync.node_mean(master, payloads[:1])["w"])
+
+
+def test_the_ring_sends_two_n_minus_one_payloads_in_all_and_falls_with_the_compression_at_any_n():
+    from algorithms.traffic import Traffic
+
+    def sent(n, payload, **how):
+        traffic = Traffic()
+        traffic.trainer_sync(n, payload, **how)
+        return traffic.allreduce_bytes
+
+    assert sent(4, 100) == 2 * 3 * 100  # a ring all-reduce of the payload
+    assert sent(4, 100, gathered=True) == 4 * 3 * 100  # top-k: all-gathered
+    assert sent(4, 104, shard_flag_bytes=4) == 2 * 3 * (100 + 4 * 4)  # a fragment: each shard message's flag
+    numel = 3_478_016 // 4  # microllama-tiny's weights
+    for n in (2, 4, 8, 16, 64):
+        fp32 = sent(n, 4 * numel)
+        assert sent(n, OuterSync("int8").payload_bytes(numel)) <= 0.30 * fp32
+        assert sent(n, OuterSync("fp8").payload_bytes(numel)) <= 0.30 * fp32
+        assert sent(n, OuterSync("bf16").payload_bytes(numel)) <= 0.55 * fp32

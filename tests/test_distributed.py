@@ -327,8 +327,9 @@ def _simulated_then_torchrun(tmp_path, args):
 
 
 def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simulated_cluster(tmp_path, cache_dir):
-    """What crosses the network is the encoded payload (all-gathered) and the sketched sums: both backends
-    take the same decisions with the same numbers, and the collectives sent exactly what the accounting says."""
+    """What crosses the network is the encoded payload (as a ring of quantized shards) and the sketched sums: both
+    backends take the same decisions with the same numbers, and the collectives sent exactly what the accounting
+    says."""
     # One intra-op thread in both (torchrun's default): int8 turns an fp32 difference at a rounding boundary
     # into a whole step, so the nodes' own arithmetic must match too; a process of its own keeps the
     # thread count out of this test process.
@@ -338,12 +339,12 @@ def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simula
         assert got[key] == expected[key], key
     sent = got["bytes_sent_by_collectives"]
     assert sent["weights"] == got["bytes_communicated"] and sent["statistics"] == got["statistics_bytes"] > 0
-    # each sync all-gathers every node's int8 payload (an fp32 scale per 1024 entries): n (n-1) x C, by hand
+    # each sync is a ring of the int8 payload's shards (an fp32 scale per 1024 entries): 2 (n-1) x C, by hand
     numel = expected["weight_bytes"] // 4
     payload = numel + 4 * -(-numel // 1024)
     nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]  # step 0: none
-    gathered = sum(n * (n - 1) * payload for n in nodes)
-    assert expected["allreduce_bytes"] == gathered
+    ring = sum(2 * (n - 1) * payload for n in nodes if n > 1)
+    assert expected["allreduce_bytes"] == ring
 
 
 # Streaming DiLoCo (issue 22, part 3): two fragments, each in flight for one inner step, on top of the above
@@ -351,9 +352,10 @@ STREAMED = [*COMPRESSED, "num_inner_steps=4", "sync_fragments=2", "sync_delay=1"
 
 
 def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluster(tmp_path, cache_dir):
-    """Each fragment's int8 payload is all-gathered asynchronously while the nodes train one more inner step,
-    then stepped and mixed: both backends take the same decisions with the same numbers, and the collectives
-    sent what the accounting says, one payload per fragment (with its 4 flag bytes)."""
+    """Each fragment's int8 shards travel asynchronously while the nodes train one more inner step (the ring's
+    first half; the reduced shards come back at the landing), then the fragment is stepped and mixed: both
+    backends take the same decisions with the same numbers, and the collectives sent what the accounting says,
+    one ring per fragment (each shard message with its sender's 4 flag bytes)."""
     from algorithms.streaming import fragment_names
     from benchmarks.network import accounted_bytes, read_rounds
     from fabrics.models import build_model
@@ -366,15 +368,38 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
         assert got[key] == expected[key], key
     sent = got["bytes_sent_by_collectives"]
     assert sent["weights"] == got["bytes_communicated"] and sent["statistics"] == got["statistics_bytes"] > 0
-    # by hand: per round, each fragment's int8 payload (a scale per 1024) and 4 flag bytes, all-gathered
+    # by hand: per round, each fragment's int8 payload C (a scale per 1024) in a ring, each of the n shard messages
+    # of each half with its sender's 4 flag bytes: 2 (n-1) x (C + 4 n)
     model = build_model(load_config(expected_dir / "config.yaml"), 512, 0)
     state = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
     sizes = [sum(state[n].numel() for n in names)
              for names in fragment_names(list(state), {k: v.numel() for k, v in state.items()}, 2)]
-    payload = sum(n + 4 * -(-n // 1024) + 4 for n in sizes)
     nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]
-    assert expected["allreduce_bytes"] == sum(n * (n - 1) * payload for n in nodes) > 0
+    assert expected["allreduce_bytes"] == sum(2 * (n - 1) * (f + 4 * -(-f // 1024) + 4 * n)
+                                              for n in nodes if n > 1 for f in sizes) > 0
     # and the network model reads the same bytes back, fragment by fragment
     rounds, weight_bytes, communicated = read_rounds(expected_dir)
     assert all(t.fragment_bytes and t.overlap_steps == 1 for w in rounds for t in w.trainers)
     assert accounted_bytes(rounds, weight_bytes) == communicated == expected["bytes_communicated"]
+
+
+def test_eight_processes_with_an_int8_ring_equal_the_simulated_cluster_and_send_what_is_accounted(tmp_path,
+                                                                                                  cache_dir):
+    """One trainer of 8 nodes (8 torchrun processes): each int8 sync is a ring of 8 shards; the same numbers as
+    the simulated cluster, and the collectives send exactly 2 x 7 x C per round, under 0.30x the fp32 ring."""
+    args = [*RUN, "num_init_trainers=1", "nodes_per_gpu=4", "num_outer_steps=2", "merge_frequency=0",
+            "outer_compression=int8", f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
+    sim = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "run_name=sim"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "8"), *args, "run_name=dist"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_decisions(tmp_path / "sim", tmp_path / "dist")
+    expected = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    got = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    numel = expected["weight_bytes"] // 4
+    payload = numel + 4 * -(-numel // 1024)
+    assert got["allreduce_bytes"] == expected["allreduce_bytes"] == 2 * 2 * 7 * payload  # 2 rounds
+    assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"] == expected["bytes_communicated"]
+    assert expected["allreduce_bytes"] <= 0.30 * 2 * 2 * 7 * expected["weight_bytes"]

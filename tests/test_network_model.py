@@ -93,15 +93,27 @@ def test_statistics_add_their_vector_all_reduce_and_a_scalar_one():
     assert extra == pytest.approx(SLOW.allreduce(4, 2 * 10**6) + SLOW.allreduce(4, 56))
 
 
-def test_a_compressed_sync_is_an_all_gather_of_the_payload():
-    """4 nodes, each with a 250 kB payload: 3 steps of (latency + 250 kB / bandwidth), instead of the fp32
-    ring all-reduce's 6 steps of P / 4; the accounting charges n (n-1) x C."""
+def test_a_gathered_compressed_sync_is_an_all_gather_of_the_payload():
+    """4 nodes, each with a 250 kB payload all-gathered (top-k, and every compressed run made before the ring):
+    3 steps of (latency + 250 kB / bandwidth), instead of the fp32 ring all-reduce's 6 steps of P / 4; the
+    accounting charges n (n-1) x C."""
     fp32 = RoundWork(1, [TrainerRound(4, 4000)], merges=[])
     int8 = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000)], merges=[])
     assert round_time(int8, SLOW, 1000, 10**6).communication == pytest.approx(3 * (SLOW.latency + 250_000 / MB))
     assert round_time(fp32, SLOW, 1000, 10**6).communication == pytest.approx(6 * (SLOW.latency + 250_000 / MB))
     assert accounted_bytes([int8], 10**6) == 4 * 3 * 250_000
     assert SLOW.allgather(1, 10**6) == 0.0
+
+
+def test_a_compressed_ring_costs_what_a_ring_all_reduce_of_the_payload_does():
+    """4 nodes, a 250 kB int8 payload as a ring of quantized shards: 6 steps of (latency + 62.5 kB / bandwidth),
+    2 (n-1) x C in all; a streamed fragment's shard messages each carry the sender's 4-byte flag."""
+    ring = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000, ring=True)], merges=[])
+    assert round_time(ring, SLOW, 1000, 10**6).communication == pytest.approx(6 * (SLOW.latency + 62_500 / MB))
+    assert accounted_bytes([ring], 10**6) == 2 * 3 * 250_000
+    fragments = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000, fragment_bytes=(125_008, 125_008),
+                                           ring=True)], merges=[])
+    assert accounted_bytes([fragments], 10**6) == 2 * 2 * 3 * (125_004 + 4 * 4)
 
 
 def test_streaming_fragments_cost_only_what_the_delay_does_not_hide():
