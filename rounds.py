@@ -83,7 +83,7 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
         return _failed(job, exc)
     fault = _checked(job, result)
     if fault is None and sync is not None and not sync.exact:
-        result.payload, node.residual = sync.encode(job.master, result.state, node.residual)
+        result.payload, node.residual = sync.encode(job.master, result.state, node.residual, job.flat_master)
     return fault or result
 
 

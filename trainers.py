@@ -42,6 +42,8 @@ class NodeJob:
     # Streaming DiLoCo: the node goes on from its own weights (it served this trainer version last round)
     # instead of loading `master`
     keep_local: bool = False
+    # a compressed outer sync: `master` flattened once for the trainer's nodes (OuterSync.encode)
+    flat_master: torch.Tensor | None = None
 
 
 class RoundAbandoned(Exception):

@@ -164,10 +164,19 @@ class TopK(Compressor):
     def encode(self, x):
         x = x.float()
         k = self.kept(x.numel())
-        # ties broken by index (stable sort): the same entries on every device and in every run
-        order = torch.sort(x.abs(), descending=True, stable=True).indices[:k]
-        index = torch.sort(order).values.to(torch.int32)
+        index = self.largest(x.abs(), k).to(torch.int32)
         return _to_bytes(index, self._values.encode(x[index.long()]))
+
+    @staticmethod
+    def largest(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+        """The indices (ascending) of the k largest entries, ties broken by the lower index: the entries a stable
+        descending sort would put first, the same on every device and in every run. torch.topk finds the k-th
+        value in O(P log k) (not a full sort); its own choice among ties is not specified, so entries equal to
+        the k-th value are then taken in index order."""
+        kth = torch.topk(magnitude, k, sorted=False).values.min()
+        above = (magnitude > kth).nonzero().flatten()
+        tied = (magnitude == kth).nonzero().flatten()[:k - above.numel()]
+        return torch.cat([above, tied]).sort().values
 
     def decode(self, payload, numel):
         k = self.kept(numel)

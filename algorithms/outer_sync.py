@@ -122,11 +122,14 @@ class OuterSync:
 
     @torch.no_grad()
     def encode(self, master: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
-               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One node's payload (uint8) and its next residual (None without error feedback)."""
+               residual: torch.Tensor | None, flat_master: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One node's payload (uint8) and its next residual (None without error feedback); flat_master: `master`
+        flattened already (once per trainer, shared by its nodes)."""
         names = sorted(master)
         device = next(iter(weights.values())).device
-        delta = flatten(master, names, device) - flatten(weights, names, device)
+        base = flatten(master, names, device) if flat_master is None else flat_master.to(device)
+        delta = base - flatten(weights, names, device)
         if residual is not None:
             delta = delta + residual.to(device)
         payload = self.compressor.encode(delta)

@@ -66,22 +66,26 @@ class ClusterState:
             self.best_seen = value
 
     # -------------------------------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        """What a round changes before its outer steps: restored when a round is abandoned or fails."""
+    def snapshot(self, rollback: bool = True) -> dict:
+        """What a round changes before its outer steps: restored when a round is abandoned or fails.
+        rollback: only what a rollback needs, kept where it is (the residuals stay on their devices); else
+        (a checkpoint's resume state) all of it, on the CPU."""
         return {"owner": dict(self.owner), "holds": dict(self.holds), "traffic": dataclasses.asdict(self.traffic),
                 "samplers": {t: tr.sampler.state_dict() for t, tr in self.trainers.items()},
                 "optimizers": [n.optimizer_state() for n in self.nodes],
-                "residuals": [None if n.residual is None else n.residual.detach().to("cpu", copy=True)
+                "residuals": [None if n.residual is None else
+                              n.residual.detach().clone() if rollback else n.residual.detach().to("cpu", copy=True)
                               for n in self.nodes],
                 "rng": rng_state(cuda=self.cuda),
-                **(self._streaming_snapshot() if self.streaming else {})}
+                **(self._streaming_snapshot(rollback) if self.streaming else {})}
 
-    def _streaming_snapshot(self) -> dict:
+    def _streaming_snapshot(self, rollback: bool) -> dict:
         """Streaming rounds change more before the round ends: the trainers (each fragment's outer step lands
-        mid-round) and the nodes' own weights, which go on from one round to the next."""
+        mid-round) and the nodes' own weights, which go on from one round to the next. A rollback needs the
+        weights of the nodes that go on from them only (the others start their next round from the master)."""
         return {"continues": dict(self.continues),
-                "node_weights": [None if n.model is None else {k: v.detach().to("cpu", copy=True)
-                                                               for k, v in float_state(n.model).items()}
+                "node_weights": [None if n.model is None or (rollback and self.continues.get(n.node_id) is None)
+                                 else {k: v.detach().to("cpu", copy=True) for k, v in float_state(n.model).items()}
                                  for n in self.nodes],
                 "trainer_states": {t: (copy.deepcopy(tr.state_dict()), {k: v.detach().clone()
                                                                          for k, v in tr.master.items()})
@@ -111,7 +115,7 @@ class ClusterState:
     def state_dict(self, gather=None, rank: int | None = None) -> dict:
         """The snapshot and the counters. gather (torchrun): each process holds its own node's per-node state,
         collected from every rank (a collective: every rank calls it)."""
-        state = self.snapshot()
+        state = self.snapshot(rollback=False)
         state.pop("trainer_states", None)  # the checkpoint holds the trainers themselves
         if gather is not None:
             for key in ("optimizers", "residuals", "node_weights"):

@@ -6,11 +6,12 @@ nothing (Traffic counts what a real cluster would send).
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from algorithms.outer_sync import OuterSync
+from algorithms.outer_sync import OuterSync, flatten
 from algorithms.streaming import StreamingPlan
 from distributed.streamed import LEFT, streamed_round
 from fabrics.eval_tool import Evaluator
@@ -53,6 +54,13 @@ class RoundBackend:
                   ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         if self.streaming is not None:
             return self._run_streaming(jobs, trainers)
+        if not self.sync.exact:  # each trainer's master flattened once, not once per node
+            flat = {}
+            for job in jobs:
+                if job.trainer_id not in flat:
+                    device = next(iter(job.master.values())).device
+                    flat[job.trainer_id] = flatten(job.master, sorted(job.master), device)
+            jobs = [dataclasses.replace(job, flat_master=flat[job.trainer_id]) for job in jobs]
         outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}

@@ -215,3 +215,29 @@ def test_the_ring_sends_two_n_minus_one_payloads_in_all_and_falls_with_the_compr
         assert sent(n, OuterSync("int8").payload_bytes(numel)) <= 0.30 * fp32
         assert sent(n, OuterSync("fp8").payload_bytes(numel)) <= 0.30 * fp32
         assert sent(n, OuterSync("bf16").payload_bytes(numel)) <= 0.55 * fp32
+
+
+def test_topk_selection_is_the_stable_sorts_on_ties_and_random_data():
+    from algorithms.compression import TopK
+
+    gen = torch.Generator().manual_seed(0)
+    for x in (torch.randn(5000, generator=gen), torch.randint(0, 4, (5000,), generator=gen).float(),
+              torch.zeros(100), torch.tensor([1.0, 2.0, 2.0, 2.0, 1.0])):
+        for k in (1, 3, 50, x.numel()):
+            k = min(k, x.numel())
+            stable = torch.sort(x.abs(), descending=True, stable=True).indices[:k].sort().values
+            assert torch.equal(TopK.largest(x.abs(), k), stable)
+
+
+def test_a_master_flattened_once_per_trainer_encodes_as_each_node_flattening_it():
+    from algorithms.outer_sync import flatten
+
+    gen = torch.Generator().manual_seed(1)
+    master = {"b": torch.randn(3000, generator=gen), "a": torch.randn(7, 5, generator=gen)}
+    node = {k: v + 1e-3 * torch.randn(v.shape, generator=gen) for k, v in master.items()}
+    for name in ("int8", "topk"):
+        sync = OuterSync(name)
+        residual = torch.randn(3035, generator=gen) * 1e-4
+        own = sync.encode(master, node, residual)
+        shared = sync.encode(master, node, residual, flatten(master, sorted(master), "cpu"))
+        assert torch.equal(own[0], shared[0]) and torch.equal(own[1], shared[1])
