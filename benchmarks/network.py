@@ -9,10 +9,11 @@ and, optionally, each node's speed:
 
     a node's compute    = its tokens this round (the trainer's, split evenly) / (curve x speed)
     a trainer's round   = its slowest node + its collectives: the weights (P bytes, fp32) in a ring
-                          all-reduce, or with outer_compression an all-gather of each node's encoded
-                          pseudo-gradient (C bytes), one per fragment with Streaming DiLoCo (each hidden by
-                          sync_delay inner steps), and the batch test's statistics as the run sent them
-                          (statistics_comm; `statistics=False` leaves them out)
+                          all-reduce, or with outer_compression each node's encoded pseudo-gradient (C
+                          bytes) as a ring of quantized shards (priced as a ring all-reduce of C; runs made
+                          before the ring, and top-k: an all-gather), one per fragment with Streaming
+                          DiLoCo (each hidden by sync_delay inner steps), and the batch test's statistics
+                          as the run sent them (statistics_comm; `statistics=False` leaves them out)
     a merge             = the absorbed trainers' states, one message each, into the survivor's first node,
                           once every member's round ended
     a node move         = one message of the trainer's state before the moving node starts

@@ -67,8 +67,8 @@ def network_report(results: dict[str, list[dict]], metric: str, args: Options, o
     lines = ["## Predicted wall time on a network (benchmarks/network.py)", "",
              "A cost model, not a measurement: each run's logged rounds (tokens per node, nodes per trainer, merges, "
              f"node moves) priced at {_throughput_words(predicted['throughput'], args)} plus, per "
-             "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes, all-gather of "
-             "compressed payloads"
+             "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes, a ring of "
+             "quantized shards for bf16/fp8/int8 payloads, all-gather for top-k and runs made before the ring"
              f"{'' if args.no_statistics else ', the batch test statistics included'}). Nodes compute in parallel, "
              "trainers synchronise in parallel; a streamed fragment costs only what its sync_delay inner steps "
              "do not hide. Ignored: other overlap of compute and communication, stragglers, "
