@@ -153,8 +153,9 @@ class RingArrival:
 @torch.no_grad()
 def fragment_average(sync: OuterSync, master: dict[str, torch.Tensor], names: list[str],
                      wires: list[torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The nodes' mean fragment (fp32, on the master's device) from what arrived: the summed exact wires, or
-    the compressed ones in node-id order; None when no node contributed."""
+    """The nodes' mean fragment (fp32, on the master's device) from what arrived: the summed exact wires, every
+    member's compressed wire in node-id order (averaged as a ring of quantized shards, or decoded one by one for
+    top-k: OuterSync.mean_of), or torchrun's finished ring; None when no node contributed."""
     fragment = {n: master[n] for n in names}
     device = master[names[0]].device
     if sync.exact:
@@ -165,7 +166,6 @@ def fragment_average(sync: OuterSync, master: dict[str, torch.Tensor], names: li
         return sync.ring_mean(fragment, wires.reduced) if wires.contributed else None
     good = [w[:-FLAG_BYTES] for w in wires if int(w[-FLAG_BYTES]) == 1]
     return sync.mean_of(fragment, good, len(wires)) if good else None
-
 
 
 def send_fragment(node: Node, master: dict[str, torch.Tensor], names: list[str], span: tuple[int, int],

@@ -10,9 +10,10 @@ ThroughputCurve  tokens/s of one node at speed 1 against its micro-batch and acc
                  largest: its value (saturated); accumulation levels between those measured: the largest
                  measured level below.
 SyncCost         what a trainer's collectives take at the end of its round (algorithms/network.py's ring
-                 model): the fp32 all-reduce of the weights or the all-gather of encoded payloads, one per
-                 fragment for Streaming DiLoCo (each hidden by `overlap_steps` inner steps), and the batch
-                 test's statistics (two all-reduces).
+                 model): the fp32 all-reduce of the weights, the ring of quantized shards (priced as a
+                 ring all-reduce of the payload) or the all-gather of top-k payloads, one per fragment for
+                 Streaming DiLoCo (each hidden by `overlap_steps` inner steps), and the batch test's
+                 statistics (two all-reduces).
 NodeSchedule     nodes that leave and come back, and nodes that slow down (config `node_schedule`).
 Clock            the timeline. Each node computes its round in tokens / (curve x speed / slowdown)
                  seconds, from when both it and its trainer are ready (plus receiving the trainer's state

@@ -1,7 +1,7 @@
 """The outer sync: what each node sends its trainer at the end of a round, and how the trainer averages it.
 
 Both backends use this one object: the simulated cluster (rounds.py `combine`) and the torchrun backend
-(distributed/backend.py, which all-gathers the encoded payloads) compute the same values in the same
+(distributed/backend.py, which sends the encoded shards and payloads) compute the same values in the same
 order, so they give the same numbers.
 
 Exact (outer_compression: none): the trainer's nodes send their fp32 weights and the mean is taken of

@@ -8,16 +8,20 @@ says which). What crosses the network, per round:
 - per trainer, within its own process group (created identically on every rank, cached by member set):
   one fp32 all-reduce (SUM) of the node weights, divided by the number of good nodes; every member then
   applies the same outer step to its own copy. A one-node trainer sends nothing;
-  With outer_compression, each node instead encodes its pseudo-gradient (algorithms/outer_sync.py) and
-  the group all-gathers the encoded payloads (values, scales, indices: what really crosses); every member
-  decodes them all and averages in node-id order, as the simulated cluster does. All-gather rather than
-  reduce-scatter + all-gather: no member re-quantizes a partial sum, so both backends give the same numbers;
-  it sends n (n-1) x C in all instead of 2 (n-1) x C, the same for the 2-node trainers merges make;
+  With outer_compression, each node instead encodes its pseudo-gradient (algorithms/outer_sync.py). bf16,
+  fp8 and int8 travel as a ring of quantized shards (`_ring`): the payload cut into one chunk-aligned shard
+  per member, shard j sent to group rank j (all_to_all_single: a reduce-scatter of encoded shards), which
+  decodes the good nodes' shards, sums them in fp32 in node-id order, re-encodes the mean and sends it to
+  every member (all_to_all_single again: an all-gather); 2 (n-1) x C in all. The simulated cluster computes
+  the same shards, sums and re-encodings, so both backends give the same numbers. top-k's payloads
+  (values, indices) are all-gathered, n (n-1) x C, and every member decodes them all in node-id order;
 - Streaming DiLoCo (sync_fragments, sync_delay): instead of the one sync at the round's end, each fragment
   travels on its own, within the same group, as an asynchronous collective (async_op=True) launched at its
   send and waited for at its landing `sync_delay` inner steps later, the node training in between: its
   fp32 weights plus a count of 1 (all-reduce SUM: the mean over the nodes counted), or its encoded
-  pseudo-gradient plus 4 flag bytes (all-gather). A node that failed or left the round sends zeros and 0;
+  pseudo-gradient's ring shards, each with 4 flag bytes (the first half in flight during the delay, the
+  reduced shards sent back at the landing), or (top-k) its payload plus 4 flag bytes, all-gathered. A node
+  that failed or left the round sends zeros and 0;
 - per trainer, the batch test's sums within the same group: the vectors (`NodeGradientSums.vectors`: the
   b-weighted gradient sum, plus the plain sum for the nodes estimator, plus the batch; in the wire dtype
   of statistics_comm, of sketch dimension with the count sketch), then 7 fp64 scalars; the trainer's
@@ -293,8 +297,8 @@ class DistributedBackend:
 
     def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer]):
         """This rank's node through a Streaming DiLoCo round (distributed/streamed.py): at each send its fragment
-        wire goes into an asynchronous collective of its trainer's group (all-reduce exact, all-gather
-        compressed) and the node trains on; at the landing the rank waits for it, steps its copy of the
+        wire goes into an asynchronous collective of its trainer's group (all-reduce exact, the ring's shards, or
+        all-gather top-k) and the node trains on; at the landing the rank waits for it, steps its copy of the
         trainer's fragment and mixes it into its node. A node that failed or left the round (a stop) sends
         empty wires until the round ends, so its group's collectives still match; every member steps."""
         ended, errors = streamed_round(self.streaming, self.sync, self.nodes, [job], trainers,
