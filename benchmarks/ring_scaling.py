@@ -5,9 +5,10 @@
 One trainer of n nodes syncs a microllama-tiny-sized pseudo-gradient (P = 7,148,032 bytes of fp32) once per
 scheme: none (the fp32 ring all-reduce), bf16 / fp8 / int8 (a ring of quantized shards: algorithms/
 outer_sync.py) and top-k 2% (all-gathered). Measured under `torchrun --standalone --nproc-per-node n` on this
-machine for each n of --procs, through the torchrun backend's own collectives (distributed/backend.py), whose
-counters give the bytes each rank sent; the same bytes by the accounting (algorithms/traffic.py) must agree,
-and the network model (algorithms/network.py) prices them at n = 16 and 64 too. What matters here is bytes
+machine for each n of --procs, through the torchrun backend's own collectives (distributed/backend.py and
+distributed/ring.py), whose counters give the bytes each rank sent; the same bytes by the accounting
+(algorithms/traffic.py) must agree, and the network model (algorithms/network.py) prices them at n = 16 and
+64 too. What matters here is bytes
 and their ratio to fp32, set beside the physical floor (the payload's size over P); on 2 cores the times say
 little about a real network.
 """
@@ -76,7 +77,7 @@ def worker(out: Path, repeats: int) -> None:
             if sync.exact:
                 return backend._all_reduce(master["w"] - delta, members, "weights")
             if sync.ring:
-                return backend._ring(master, payload, members, list(members), None)
+                return backend.ring.mean(master, payload, numel, members, list(members), None)
             return backend._all_gather(payload, members, "weights")
 
         once()  # warm-up: groups, buffers

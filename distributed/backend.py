@@ -9,7 +9,7 @@ says which). What crosses the network, per round:
   one fp32 all-reduce (SUM) of the node weights, divided by the number of good nodes; every member then
   applies the same outer step to its own copy. A one-node trainer sends nothing;
   With outer_compression, each node instead encodes its pseudo-gradient (algorithms/outer_sync.py). bf16,
-  fp8 and int8 travel as a ring of quantized shards (`_ring`): the payload cut into one chunk-aligned shard
+  fp8 and int8 travel as a ring of quantized shards (distributed/ring.py): the payload cut into one chunk-aligned shard
   per member, shard j sent to group rank j (all_to_all_single: a reduce-scatter of encoded shards), which
   decodes the good nodes' shards, sums them in fp32 in node-id order, re-encodes the mean and sends it to
   every member (all_to_all_single again: an all-gather); 2 (n-1) x C in all. The simulated cluster computes
@@ -38,22 +38,20 @@ payload per member; send/recv: the payload): weights traffic and batch-test stat
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import time
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.outer_sync import OuterSync
-from algorithms.streaming import FLAG_BYTES, StreamingPlan
+from algorithms.streaming import StreamingPlan
+from distributed.liveness import Liveness, collective_failed
+from distributed.ring import QuantizedRing, RingHalf
 from distributed.streamed import LEFT, streamed_round
-from rounds import NodeFault, RingArrival, RoundResult, advance, empty_wire, run_node, token_shares
+from rounds import NodeFault, RoundResult, advance, empty_wire, run_node, token_shares
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
-from utils.run_state import process_start_time
 
 
 class DistributedBackend:
@@ -76,9 +74,9 @@ class DistributedBackend:
         self.within_node = within_node
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
         self.master_device = master_device  # where the trainers' masters (and so the node mean) live
-        self.store, self.phase = store, 0  # arrival marks: who did not reach a collective (hung or dead)
-        if store is not None:  # which process is this rank: read when a collective fails (_ended_first)
-            store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())}")
+        self.liveness = Liveness(store, rank, self.world_size)  # who did not arrive, or ended first, on a failure
+        self.ring = QuantizedRing(self.sync, rank, lambda tensor, sent, got, members, async_op=False:
+                                  self._all_to_all(tensor, sent, got, members, "weights", async_op))
         self.groups: dict[tuple[int, ...], object] = {}
         # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
         # statistics, and trainers brought to rank 0 for checkpoints
@@ -129,24 +127,6 @@ class DistributedBackend:
         self._count(kind, sent, 0.0 if async_op else time.perf_counter() - start)
         return out, work
 
-    def _ring(self, master: dict[str, torch.Tensor], payload: torch.Tensor, members: tuple[int, ...],
-              good: list[int], shares: list[float] | None) -> dict[str, torch.Tensor]:
-        """A compressed sync as a ring of quantized shards (algorithms/outer_sync.py): this rank's payload cut
-        into one shard per member, shard j sent to member j (a reduce-scatter of encoded shards), this rank's
-        shard reduced from the good nodes' (node-id order) and re-encoded, then every reduced shard sent to
-        every member (an all-gather); master minus the decoded mean."""
-        ranks = sorted(members)  # shard j's owner: group rank j
-        n, mine = len(ranks), ranks.index(self.rank)
-        shards = self.sync.shards(payload.to(self.comm_device), self.numel, n)
-        sizes = [s.numel() for s in shards]
-        received, _ = self._all_to_all(torch.cat(shards), sizes, [sizes[mine]] * n, members, "weights")
-        parts = dict(zip(ranks, received.split(sizes[mine])))
-        a, b = self.sync.ring_spans(self.numel, n)[mine]
-        device = next(iter(master.values())).device
-        reduced = self.sync.reduce_shard([parts[g] for g in good], b - a, shares, device)
-        gathered, _ = self._all_to_all(reduced.repeat(n), [sizes[mine]] * n, sizes, members, "weights")
-        return self.sync.ring_mean(master, list(gathered.split(sizes)))
-
     def _all_gather(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> list[torch.Tensor]:
         """Every member's tensor (same size everywhere), in the order of `members`."""
         start = time.perf_counter()
@@ -158,53 +138,14 @@ class DistributedBackend:
         self._count(kind, (len(members) - 1) * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return parts
 
-    def _arrive(self) -> None:
-        """Mark this rank as having reached the next world collective (read only when one fails)."""
-        self.phase += 1
-        if self.store is not None:
-            self.store.set(f"arrived/{self.phase}/{self.rank}", "1")
-
-    def _absent(self) -> list[int]:
-        if self.store is None:
-            return []
-        try:
-            return [r for r in range(self.world_size) if not self.store.check([f"arrived/{self.phase}/{r}"])]
-        except RuntimeError:  # the store went with the process that hosted it
-            return []
-
-    def _gone(self, rank: int) -> bool:
-        """Whether `rank`'s process has ended (known for the ranks on this machine only)."""
-        key = f"process/{rank}"
-        if not self.store.check([key]):  # it never got this far
-            return False
-        host, pid, started = self.store.get(key).decode().split()
-        if host != socket.gethostname():
-            return False
-        try:
-            process = psutil.Process(int(pid))
-            return process.status() == psutil.STATUS_ZOMBIE or process_start_time(int(pid)) != started
-        except psutil.NoSuchProcess:
-            return True
-
-    def _ended_first(self) -> list[int]:
-        """The rank(s) whose process ended first, as the store records it: the first rank to see a collective
-        fail looks for peers whose processes are gone and records them, before torchrun stops the rest of
-        the group; the ranks that fail later read that record instead of counting the stopped ones."""
-        if self.store is None:
-            return []
-        try:
-            gone = " ".join(str(r) for r in range(self.world_size) if r != self.rank and self._gone(r))
-            first = self.store.compare_set("ended_first", "", gone)
-            return [int(r) for r in (first.decode() if isinstance(first, bytes) else first).split()]
-        except (RuntimeError, ValueError):  # the store went with the process that hosted it
-            return []
-
-    def _failed(self, exc: RuntimeError) -> UserError:
-        return collective_failed(self.rank, exc, self._absent(), self._ended_first())
+    def _failed(self, exc: RuntimeError, absent: list[int] | None = None) -> UserError:
+        """A failed collective in one line (distributed/liveness.py): who ended first, or who did not arrive."""
+        live = self.liveness
+        return collective_failed(self.rank, exc, live.absent() if absent is None else absent, live.ended_first())
 
     def _gather(self, value) -> list:
         """all_gather_object over the world, with an arrival mark first."""
-        self._arrive()
+        self.liveness.arrive()
         out: list = [None] * self.world_size
         try:
             dist.all_gather_object(out, value)
@@ -279,7 +220,8 @@ class DistributedBackend:
             shares = token_shares([f["tokens"] for f in own]) if self.by_tokens else None
             good_ids = [f["node_id"] for f in own]  # node-id order, as the simulation sums
             if self.sync.ring and len(members[mine]) > 1:
-                node_mean = self._ring(job.master, payload, members[mine], good_ids, shares)
+                node_mean = self.ring.mean(job.master, payload.to(self.comm_device), self.numel, members[mine],
+                                           good_ids, shares)
             else:
                 parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
                 node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(g)] for g in good_ids],
@@ -306,64 +248,6 @@ class DistributedBackend:
         outcome = ended.get(self.rank)
         abandoned = outcome is LEFT
         return (None if abandoned else outcome), abandoned, errors.get(job.trainer_id, "")
-
-    def _start(self, wire: torch.Tensor, members: tuple[int, ...], numel: int) -> tuple:
-        """Launch a fragment's collective (async_op): the exact wires are summed, the encoded ones sent as a ring's
-        shards (each with the node's flag) or (top-k) gathered."""
-        on_device = wire.to(self.comm_device)
-        n = len(members)
-        if n == 1:
-            return None, on_device
-        if self.sync.ring:
-            flag = on_device[-FLAG_BYTES:]
-            shards = [torch.cat([s, flag]) for s in self.sync.shards(on_device[:-FLAG_BYTES], numel, n)]
-            sizes = [s.numel() for s in shards]
-            mine = sorted(members).index(self.rank)  # shard j's owner: group rank j
-            received, work = self._all_to_all(torch.cat(shards), sizes, [sizes[mine]] * n, members, "weights",
-                                              async_op=True)
-            return work, _RingHalf(received, sizes, numel)
-        nbytes = on_device.numel() * on_device.element_size()
-        if self.sync.exact:
-            work = dist.all_reduce(on_device, group=self._group(members), async_op=True)
-            self._count("weights", 2 * (n - 1) / n * nbytes, 0.0)
-            return work, on_device
-        parts = [torch.empty_like(on_device) for _ in members]
-        work = dist.all_gather(parts, on_device, group=self._group(members), async_op=True)
-        self._count("weights", (n - 1) * nbytes, 0.0)
-        return work, parts
-
-    def _land(self, work, arrived, members: tuple[int, ...]):
-        """Wait for a fragment's collective (the seconds counted are only what the overlap did not hide)."""
-        start = time.perf_counter()
-        if work is not None:
-            work.wait()
-            if self.comm_device != "cpu" and torch.cuda.is_available():
-                torch.cuda.synchronize(self.comm_device)
-        if isinstance(arrived, _RingHalf):
-            arrived = self._ring_second_half(arrived, members)
-        self.round_comm["seconds"] += time.perf_counter() - start
-        if isinstance(arrived, list):  # gathered in member order: into node-id order, as the simulation sums
-            return [arrived[members.index(n)] for n in sorted(members)]
-        if len(members) == 1 and not self.sync.exact:
-            return [arrived]
-        return arrived
-
-    def _ring_second_half(self, half: _RingHalf, members: tuple[int, ...]) -> RingArrival:
-        """A fragment's ring after its shards arrived: this rank's shard reduced from the nodes that contributed
-        (node-id order), re-encoded and sent to every member with a flag (any contributed)."""
-        ranks = sorted(members)  # shard j's owner: group rank j
-        n, mine = len(ranks), ranks.index(self.rank)
-        a, b = self.sync.ring_spans(half.numel, n)[mine]
-        parts = dict(zip(ranks, half.received.split(half.sizes[mine])))
-        good = [parts[r][:-FLAG_BYTES] for r in ranks if int(parts[r][-FLAG_BYTES]) == 1]
-        device = self.master_device
-        reduced = self.sync.reduce_shard(good, b - a, device=device) if good else \
-            torch.zeros(half.sizes[mine] - FLAG_BYTES, dtype=torch.uint8, device=device)
-        flag = torch.tensor([1 if good else 0, 0, 0, 0], dtype=torch.uint8, device=device)
-        mine_wire = torch.cat([reduced, flag])
-        gathered, _ = self._all_to_all(mine_wire.repeat(n), [half.sizes[mine]] * n, half.sizes, members, "weights")
-        wires = gathered.split(half.sizes)
-        return RingArrival([w[:-FLAG_BYTES] for w in wires], any(int(w[-FLAG_BYTES]) == 1 for w in wires))
 
     def _statistics(self, outcome: NodeResult | None, members: tuple[int, ...]):
         """The trainer's batch-test statistics: the nodes' vectors all-reduced in the wire dtype, then their
@@ -418,8 +302,7 @@ class DistributedBackend:
                     trainer.load_transfer(compression.compressor.decode(flat.cpu(), numel) if lossy else flat.cpu())
                     self.round_comm["seconds"] += time.perf_counter() - start
             except RuntimeError as exc:
-                raise collective_failed(self.rank, exc, [source if self.rank == target else target],
-                                        self._ended_first()) from None
+                raise self._failed(exc, [source if self.rank == target else target]) from None
 
     def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator) -> dict:
         """trainer -> (node holding it, its weights): each trainer is evaluated by its holder; all get all."""
@@ -429,7 +312,7 @@ class DistributedBackend:
     def agree(self, flag: bool) -> bool:
         """True on every rank when it is true on any (a stop request reaches ranks at different times)."""
         value = torch.tensor([1.0 if flag else 0.0], device=self.comm_device)
-        self._arrive()
+        self.liveness.arrive()
         try:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         except RuntimeError as exc:
@@ -443,7 +326,7 @@ class DistributedBackend:
         """Bytes all ranks sent over the run, by kind: one all-reduce at the end."""
         kinds = sorted(self.sent)
         totals = torch.tensor([self.sent[k] for k in kinds], dtype=torch.float64, device=self.comm_device)
-        self._arrive()
+        self.liveness.arrive()
         try:
             dist.all_reduce(totals)
         except RuntimeError as exc:
@@ -468,30 +351,53 @@ def no_comm() -> dict:
     return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0}
 
 
-@dataclasses.dataclass
-class _RingHalf:
-    """A fragment's ring between its two halves: the shards received by this rank (one per member, each with its
-    flag), their sizes and the fragment's entries."""
-
-    received: torch.Tensor
-    sizes: list[int]
-    numel: int
-
-
 class _Collectives:
-    """A fragment's wires under torchrun: an asynchronous collective of the trainer's group per fragment."""
+    """A fragment's wires under torchrun (distributed/streamed.py's FragmentTransport): an asynchronous collective
+    of the trainer's group per fragment, launched at the send and waited for at the landing."""
 
     def __init__(self, backend: DistributedBackend, members: tuple[int, ...]) -> None:
         self.backend, self.members = backend, members
 
     def start(self, trainer_id: int, wires: list[torch.Tensor | None], numel: int) -> tuple:
+        """Launch (async_op): the exact wires are summed, the encoded ones sent as a ring's shards (each with the
+        node's flag) or (top-k) gathered."""
         (wire,) = wires  # this rank's node
+        backend, members = self.backend, self.members
         if wire is None:
-            wire = empty_wire(self.backend.sync, numel, self.backend.comm_device)
-        return self.backend._start(wire, self.members, numel)
+            wire = empty_wire(backend.sync, numel, backend.comm_device)
+        on_device = wire.to(backend.comm_device)
+        n = len(members)
+        if n == 1:
+            return None, on_device
+        if backend.sync.ring:
+            return backend.ring.send_fragment(on_device, numel, members)
+        nbytes = on_device.numel() * on_device.element_size()
+        if backend.sync.exact:
+            work = dist.all_reduce(on_device, group=backend._group(members), async_op=True)
+            backend._count("weights", 2 * (n - 1) / n * nbytes, 0.0)
+            return work, on_device
+        parts = [torch.empty_like(on_device) for _ in members]
+        work = dist.all_gather(parts, on_device, group=backend._group(members), async_op=True)
+        backend._count("weights", (n - 1) * nbytes, 0.0)
+        return work, parts
 
     def land(self, handle: tuple):
-        return self.backend._land(*handle, self.members)
+        """Wait for the fragment's collective (the seconds counted are only what the overlap did not hide)."""
+        work, arrived = handle
+        backend, members = self.backend, self.members
+        start = time.perf_counter()
+        if work is not None:
+            work.wait()
+            if backend.comm_device != "cpu" and torch.cuda.is_available():
+                torch.cuda.synchronize(backend.comm_device)
+        if isinstance(arrived, RingHalf):
+            arrived = backend.ring.land_fragment(arrived, members, backend.master_device)
+        backend.round_comm["seconds"] += time.perf_counter() - start
+        if isinstance(arrived, list):  # gathered in member order: into node-id order, as the simulation sums
+            return [arrived[members.index(n)] for n in sorted(members)]
+        if len(members) == 1 and not backend.sync.exact:
+            return [arrived]
+        return arrived
 
 
 def _advance_or_leave(node_ids: list[int], round_steps: dict, job_of: dict) -> list:
@@ -503,24 +409,3 @@ def _advance_or_leave(node_ids: list[int], round_steps: dict, job_of: dict) -> l
         except RoundAbandoned:
             outcomes.append(LEFT)
     return outcomes
-
-
-def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None,
-                      ended: list[int] | None = None) -> UserError:
-    """One line: which rank saw it, whose process ended first (the rest of the group was then stopped by torchrun),
-    or which ranks did not arrive (hung, or on another machine), and what to do."""
-    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    hung = "timed out" in detail.lower() or "timeout" in detail.lower()
-    if ended:
-        why = f"{_rank_words(ended)} process ended first, and the group was stopped"
-    else:
-        who = f"rank {', '.join(map(str, absent))}" if absent else "another process"
-        why = f"{who} did not answer within dist_timeout_s (hung?)" if hung else f"{who} died or left"
-    error = UserError(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
-                      "the group restarts and resumes from the latest checkpoint")
-    error.exit_code = 1
-    return error
-
-
-def _rank_words(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}'s"

@@ -329,51 +329,7 @@ class Config:
 
     def warnings(self) -> list[str]:
         """Valid settings that likely do not do what the user wants; run.py logs them before any work."""
-        from algorithms.assignment import node_counts
-
-        out = []
-        if self.sampling_method in ADAPTIVE_TESTS and self.variance_estimator == "nodes":
-            counts = node_counts({t: self.initial_batch_size for t in range(self.num_init_trainers)},
-                                 self.total_nodes)
-            alone = [t for t, c in counts.items() if c == 1]
-            if alone:
-                out.append(f"variance_estimator 'nodes': trainers {' '.join(map(str, alone))} start with one node, so "
-                           "they have one gradient sample and their batch cannot grow until a merge gives them a "
-                           "second node (variance_estimator: micro_batches works with one node)")
-        if self.num_init_trainers > 1 and self.merge_frequency > self.num_outer_steps:
-            out.append(f"merge_frequency {self.merge_frequency} is larger than num_outer_steps {self.num_outer_steps}: "
-                       "no merge will happen (merge_frequency: 0 says that on purpose)")
-        return out + self._clock_warnings() + self._sketch_warnings()
-
-    def _clock_warnings(self) -> list[str]:
-        """A node_schedule event after the last outer step; a curve file that is not shaped like a throughput curve."""
-        from algorithms.clock import NodeSchedule, ThroughputCurve
-
-        out = []
-        for i, event in enumerate(NodeSchedule.parse(self.node_schedule, self.total_nodes).events):
-            first = event.leave or max(event.start, 1)
-            if first > self.num_outer_steps:
-                what = "leaves" if event.leave else "slows down"
-                out.append(f"node_schedule[{i}]: node {event.node} {what} at outer step {first}, after the run's last "
-                           f"({self.num_outer_steps}): it will never happen (unless the run is extended: "
-                           "--resume RUN num_outer_steps=N)")
-        if self.throughput not in ("flat", "measured"):
-            problems = ThroughputCurve.load(self.throughput).shape_problems()
-            if problems:
-                out.append(f"throughput: the curve {self.throughput} {'; '.join(problems)}; a throughput curve rises "
-                           "and flattens as the micro-batch grows: the clock uses it as given")
-        return out
-
-    SKETCH_WARN_BELOW = 16  # the tests' ratio of two sketched estimates errs by about 2/sqrt(k): 50% at 16
-
-    def _sketch_warnings(self) -> list[str]:
-        k = self.statistics_sketch_dim
-        if self.statistics_comm != "sketch" or k >= self.SKETCH_WARN_BELOW:
-            return []
-        return [f"statistics_sketch_dim {k}: the sketch's estimates err by about sqrt(2/k) = {(2 / k) ** 0.5:.0%} "
-                f"each, and the batch test's ratio of two of them by about {2 / k ** 0.5:.0%}: more than half of "
-                "what it measures, so its decisions follow the noise; use at least "
-                f"{self.SKETCH_WARN_BELOW} (the default 16384 errs by 1.1%)"]
+        return [warning for check in CONFIG_WARNINGS for warning in check(self)]
 
     @property
     def total_nodes(self) -> int:
@@ -487,6 +443,62 @@ def check_cluster(cfg: Config) -> None:
     if cfg.compile and cfg.node_execution == "threads":
         raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
                           "(or torchrun, one node per process)")
+
+
+def multi_instance_warnings(cfg: Config) -> list[str]:
+    """Trainers whose batch cannot grow until a merge; merges that never happen."""
+    from algorithms.assignment import node_counts
+
+    out = []
+    if cfg.sampling_method in ADAPTIVE_TESTS and cfg.variance_estimator == "nodes":
+        counts = node_counts({t: cfg.initial_batch_size for t in range(cfg.num_init_trainers)},
+                             cfg.total_nodes)
+        alone = [t for t, c in counts.items() if c == 1]
+        if alone:
+            out.append(f"variance_estimator 'nodes': trainers {' '.join(map(str, alone))} start with one node, so "
+                       "they have one gradient sample and their batch cannot grow until a merge gives them a "
+                       "second node (variance_estimator: micro_batches works with one node)")
+    if cfg.num_init_trainers > 1 and cfg.merge_frequency > cfg.num_outer_steps:
+        out.append(f"merge_frequency {cfg.merge_frequency} is larger than num_outer_steps {cfg.num_outer_steps}: "
+                   "no merge will happen (merge_frequency: 0 says that on purpose)")
+    return out
+
+
+def clock_warnings(cfg: Config) -> list[str]:
+    """A node_schedule event after the last outer step; a curve file that is not shaped like a throughput curve."""
+    from algorithms.clock import NodeSchedule, ThroughputCurve
+
+    out = []
+    for i, event in enumerate(NodeSchedule.parse(cfg.node_schedule, cfg.total_nodes).events):
+        first = event.leave or max(event.start, 1)
+        if first > cfg.num_outer_steps:
+            what = "leaves" if event.leave else "slows down"
+            out.append(f"node_schedule[{i}]: node {event.node} {what} at outer step {first}, after the run's last "
+                       f"({cfg.num_outer_steps}): it will never happen (unless the run is extended: "
+                       "--resume RUN num_outer_steps=N)")
+    if cfg.throughput not in ("flat", "measured"):
+        problems = ThroughputCurve.load(cfg.throughput).shape_problems()
+        if problems:
+            out.append(f"throughput: the curve {cfg.throughput} {'; '.join(problems)}; a throughput curve rises "
+                       "and flattens as the micro-batch grows: the clock uses it as given")
+    return out
+
+
+SKETCH_WARN_BELOW = 16  # the tests' ratio of two sketched estimates errs by about 2/sqrt(k): 50% at 16
+
+
+def sketch_warnings(cfg: Config) -> list[str]:
+    """A sketch too small to measure what the batch test decides on."""
+    k = cfg.statistics_sketch_dim
+    if cfg.statistics_comm != "sketch" or k >= SKETCH_WARN_BELOW:
+        return []
+    return [f"statistics_sketch_dim {k}: the sketch's estimates err by about sqrt(2/k) = {(2 / k) ** 0.5:.0%} "
+            f"each, and the batch test's ratio of two of them by about {2 / k ** 0.5:.0%}: more than half of "
+            "what it measures, so its decisions follow the noise; use at least "
+            f"{SKETCH_WARN_BELOW} (the default 16384 errs by 1.1%)"]
+
+
+CONFIG_WARNINGS = (multi_instance_warnings, clock_warnings, sketch_warnings)
 
 
 def check_multi_instance(cfg: Config) -> None:

@@ -1,0 +1,88 @@
+"""Who is to blame when a torchrun collective fails: a rank that did not arrive (hung), or one whose process ended.
+
+Both are read from torchrun's store, which outlives the worker processes (the elastic agent hosts it):
+- arrival marks: each rank marks every world collective it reaches; on a failure, the ranks without a mark
+  for that collective did not arrive (hung, dead, or on another machine);
+- process records: each rank records its host, PID and process start time. The first rank to see a
+  collective fail looks for peers whose processes are gone (on its own machine) and records them with
+  `compare_set`, before torchrun stops the rest of the group; every later rank reads that record, so no
+  line blames the ranks that were only torn down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import psutil
+
+from utils.errors import UserError
+from utils.run_state import process_start_time
+
+
+class Liveness:
+    def __init__(self, store, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size, self.phase = store, rank, world_size, 0
+        if store is not None:
+            store.set(f"process/{rank}", f"{socket.gethostname()} {os.getpid()} {process_start_time(os.getpid())}")
+
+    def arrive(self) -> None:
+        """Mark this rank as having reached the next world collective (read only when one fails)."""
+        self.phase += 1
+        if self.store is not None:
+            self.store.set(f"arrived/{self.phase}/{self.rank}", "1")
+
+    def absent(self) -> list[int]:
+        """The ranks that did not reach the current world collective."""
+        if self.store is None:
+            return []
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([f"arrived/{self.phase}/{r}"])]
+        except RuntimeError:  # the store went with the process that hosted it
+            return []
+
+    def gone(self, rank: int) -> bool:
+        """Whether `rank`'s process has ended (known for the ranks on this machine only)."""
+        key = f"process/{rank}"
+        if not self.store.check([key]):  # it never got this far
+            return False
+        host, pid, started = self.store.get(key).decode().split()
+        if host != socket.gethostname():
+            return False
+        try:
+            process = psutil.Process(int(pid))
+            return process.status() == psutil.STATUS_ZOMBIE or process_start_time(int(pid)) != started
+        except psutil.NoSuchProcess:
+            return True
+
+    def ended_first(self) -> list[int]:
+        """The rank(s) whose process ended first, as the store records it (see the module's docstring)."""
+        if self.store is None:
+            return []
+        try:
+            gone = " ".join(str(r) for r in range(self.world_size) if r != self.rank and self.gone(r))
+            first = self.store.compare_set("ended_first", "", gone)
+            return [int(r) for r in (first.decode() if isinstance(first, bytes) else first).split()]
+        except (RuntimeError, ValueError):  # the store went with the process that hosted it
+            return []
+
+
+def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None,
+                      ended: list[int] | None = None) -> UserError:
+    """One line: which rank saw it, whose process ended first (the rest of the group was then stopped by torchrun),
+    or which ranks did not arrive (hung, or on another machine), and what to do."""
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    hung = "timed out" in detail.lower() or "timeout" in detail.lower()
+    if ended:
+        why = f"{_rank_words(ended)} process ended first, and the group was stopped"
+    else:
+        who = f"rank {', '.join(map(str, absent))}" if absent else "another process"
+        why = f"{who} did not answer within dist_timeout_s (hung?)" if hung else f"{who} died or left"
+    error = UserError(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
+                      "the group restarts and resumes from the latest checkpoint")
+    error.exit_code = 1
+    return error
+
+
+def _rank_words(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}'s" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}'s"
