@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from lifecycle import RunSession, ending_of
-from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
+from utils.config import RESUME_MAY_CHANGE, Config, load_config, load_run_config, parse_overrides
 from utils.errors import ConfigError, UserError
 from utils.openmp import limit_openmp_spinning
 from utils.preflight import check_before_work
@@ -103,8 +103,8 @@ def resume_config(run_dir: Path, overrides: list[str], config_arg: str | None):
                           f"(allowed: {', '.join(sorted(RESUME_MAY_CHANGE - {'run_name', 'log_dir', 'log_file'}))})")
     if pinned:
         raise ConfigError(pinned[0], "cannot change when resuming: the run directory is given by --resume")
-    cfg = load_config(run_dir / "config.yaml", overrides)
-    saved = load_config(run_dir / "config.yaml").meaning()
+    cfg = load_run_config(run_dir / "config.yaml", overrides, resuming=True)
+    saved = load_run_config(run_dir / "config.yaml", resuming=True).meaning()
     changed = sorted(k for k, v in cfg.meaning().items() if saved.get(k) != v)
     if changed:  # e.g. max_tokens, when it sets the length of linear_rampup's schedule
         raise ConfigError(changed[0], "cannot change when resuming: it would change what the run computes")
@@ -134,6 +134,8 @@ def what_changed(exc, now: dict, overrides: list[str], run_dir: Path) -> str:
     for key in sorted(set(exc.config) | set(now)):
         if exc.config.get(key, changes) != now.get(key, changes):
             where = "the command line" if key in given else f"{run_dir / 'config.yaml'}, edited since"
+            if key == "fragment_alpha_weighs":  # see utils.config.load_run_config
+                where = "the checkpoint was written when fragment_alpha weighed the global copy"
             changes.append(f"{key}: {shown(exc.config, key)} -> {shown(now, key)} ({where})")
     return (f"--resume: {exc.path} was written with other settings: {'; '.join(changes)}; put them back to resume, "
             "or start a new run with them")

@@ -17,7 +17,8 @@ sync after step H. With tau < H / F a fragment is sent only after the one before
 Landing. The fragment's outer step runs on the fragment's tensors only (SGD keeps its momentum per
 tensor, so each fragment's outer state advances at its own syncs: one outer optimizer state per
 fragment, as torchft's _StreamingDiLoCoFragment keeps), then each node mixes the new global fragment into
-its own: local <- alpha x global + (1 - alpha) x local (`fragment_alpha`; 1 takes the global one).
+its own: local <- alpha x local + (1 - alpha) x global (`fragment_alpha`, the weight of the node's own copy, as
+the paper's alpha and torchft's `fragment_update_alpha`: 0 takes the global fragment, 1 keeps the local one).
 """
 
 from __future__ import annotations
@@ -98,14 +99,16 @@ def sync_schedule(num_inner_steps: int, fragments: int, delay: int) -> list[Sync
 @torch.no_grad()
 def mix_fragment(local: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor], names: list[str],
                  alpha: float) -> None:
-    """local <- alpha x global + (1 - alpha) x local, in place, for the fragment's tensors (fp32 arithmetic;
-    alpha 1 copies, so the node holds exactly the global fragment)."""
+    """local <- (1 - alpha) x global + alpha x local, in place, for the fragment's tensors (fp32 arithmetic).
+    alpha is the local copy's weight: 0 copies, so the node holds exactly the global fragment; 1 leaves it alone."""
+    if alpha == 1.0:
+        return
     for name in names:
         own, new = local[name], global_state[name].to(local[name].device)
-        if alpha == 1.0:
+        if alpha == 0.0:
             own.copy_(new)
         else:
-            own.copy_(alpha * new.float() + (1.0 - alpha) * own.float())
+            own.copy_((1.0 - alpha) * new.float() + alpha * own.float())
 
 
 @dataclass(frozen=True)

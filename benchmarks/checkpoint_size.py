@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from utils.checkpoint import MANIFEST, expected_checkpoint_bytes  # noqa: E402
-from utils.config import load_config  # noqa: E402
+from utils.config import load_run_config  # noqa: E402
 from utils.errors import UserError, exit_code_of  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def preset_parameters(name: str, vocab_size: int | None = None) -> int:
 def measure(run_dir: Path) -> list[dict]:
     if not (run_dir / "summary.json").is_file():
         raise UserError(f"{run_dir}: no summary.json (not a finished run directory)")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_run_config(run_dir / "config.yaml")
     params = json.loads((run_dir / "summary.json").read_text())["weight_bytes"] // 4
     rows = []
     for ckpt in sorted((run_dir / "model_weights").glob(f"*/{MANIFEST}")):

@@ -103,8 +103,9 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
 
 
 def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingPlan | None:
-    """Streaming DiLoCo (sync_fragments, sync_delay): the fragments and their schedule; None without it."""
-    if not (cfg.sync_fragments > 1 or cfg.sync_delay > 0):
+    """Streaming DiLoCo (sync_fragments, sync_delay, fragment_alpha): the fragments and their schedule; None
+    without it."""
+    if not cfg.streams:
         return None
     numels = {k: v.numel() for k, v in initial.items()}
     try:

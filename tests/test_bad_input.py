@@ -68,8 +68,9 @@ def test_paths_stay_in_their_place(override, key):
     ("num_inner_steps=5 sync_fragments=2 sync_delay=2", "sync_delay", "(rounded down: 2)"),
     ("num_inner_steps=3 sync_fragments=4", "sync_fragments", "need at least as many inner steps"),
     ("num_inner_steps=20 sync_fragments=5", "sync_fragments", "model 'microllama-tiny' has 4 layers"),
-    ("sync_delay=-1", "sync_delay", "below the minimum 0"), ("fragment_alpha=0", "fragment_alpha", "(0, 1]"),
-    ("fragment_alpha=1.5", "fragment_alpha", "(0, 1]"),
+    ("sync_delay=-1", "sync_delay", "below the minimum 0"),
+    ("fragment_alpha=-0.1", "fragment_alpha", "[0, 1] (the weight of the local copy)"),
+    ("fragment_alpha=1.5", "fragment_alpha", "[0, 1]"),
 ])
 def test_bad_communication_settings_stop_in_one_line_before_any_work(override, key, words, tmp_path, capsys):
     assert_refused_before_any_work(override.split(), key, words, tmp_path, capsys)
@@ -421,6 +422,12 @@ def test_a_sketch_too_small_to_measure_anything_is_warned_about(tiny_config):
     assert "use at least 16" in warning
     assert tiny_config("statistics_comm=sketch", "statistics_sketch_dim=16").warnings() == []
     assert tiny_config("statistics_comm=fp64", "statistics_sketch_dim=1").warnings() == []  # no sketch: no warning
+
+
+def test_fragment_alpha_one_is_warned_about(tiny_config):
+    (warning,) = tiny_config("fragment_alpha=1.0").warnings()
+    assert "never take their trainer's" in warning and "0 takes the global weights" in warning
+    assert tiny_config("fragment_alpha=0.5", "sync_fragments=3").warnings() == []
 
 
 def test_a_node_schedule_event_after_the_last_outer_step_is_warned_about(tiny_config):

@@ -754,3 +754,47 @@ def test_a_checkpoint_with_the_hash_older_versions_wrote_is_still_resumable(tmp_
     assert latest_checkpoint(tmp_path, (today, legacy)).outer_step == 1
     with pytest.raises(UserError, match=f"belongs to another configuration .*this run's is {today}"):
         latest_checkpoint(tmp_path, today)
+
+
+def test_a_streaming_run_made_when_fragment_alpha_weighed_the_global_copy_is_refused(tmp_path, tiny_config, capsys):
+    """fragment_alpha weighs the local copy since 2026-11-24 (torchft's fragment_update_alpha). A run directory
+    written before (its config.yaml has no fragment_alpha_weighs) is not reinterpreted: a streaming one is refused
+    on resume, one without streaming (where fragment_alpha did nothing) resumes as it ran."""
+    import hashlib
+
+    from utils.config import load_run_config
+
+    streamed = ["run_name=streamed", "num_outer_steps=1", "num_inner_steps=2", "sync_fragments=2",
+                "fragment_alpha=0.25"]
+    run_dir, _ = train(tiny_config(*streamed))
+    config = run_dir / "config.yaml"
+    assert "fragment_alpha_weighs: local" in config.read_text()
+    new_text = config.read_text()
+    config.write_text(new_text.replace("fragment_alpha_weighs: local\n", ""))  # as versions before wrote it
+    with pytest.raises(ConfigError, match=r"was written when fragment_alpha weighed the global copy \(0.25 of the "
+                                          r"global weights\).*start a new run with fragment_alpha=0.75"):
+        resume_config(run_dir, ["num_outer_steps=2"], None)
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir), "num_outer_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fragment_alpha weighed the global copy" in err
+    assert load_run_config(config).fragment_alpha == 0.75  # a reader (the harness) gets the same mix in today's terms
+    # the marker put back by hand on a checkpoint of the old meaning: its recorded settings lack it
+    config.write_text(new_text)
+    manifest = run_dir / "model_weights" / "final" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    old = {k: v for k, v in record["config"].items() if k != "fragment_alpha_weighs"}
+    old_hash = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    manifest.write_text(json.dumps({**record, "config": old, "config_hash": old_hash}))
+    with pytest.raises(UserError, match="fragment_alpha_weighs: its default -> \"local\" \\(the checkpoint was "
+                                        "written when fragment_alpha weighed the global copy\\)"):
+        resume_config(run_dir, ["num_outer_steps=2"], None)
+
+    plain, _ = train(tiny_config("run_name=plain", "num_outer_steps=1"))
+    text = (plain / "config.yaml").read_text()
+    assert "fragment_alpha: 0.0\n" in text
+    (plain / "config.yaml").write_text(text.replace("fragment_alpha_weighs: local\n", "").replace(
+        "fragment_alpha: 0.0", "fragment_alpha: 1.0"))  # the old default, which did nothing without streaming
+    cfg, checkpoint = resume_config(plain, ["num_outer_steps=2"], None)
+    assert cfg.fragment_alpha == 0.0 and not cfg.streams and checkpoint.outer_step == 1
+    assert train(cfg, (plain, checkpoint))[1]["outer_steps"] == 2

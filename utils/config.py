@@ -231,9 +231,15 @@ class Config:
     sync_delay: int = _f(0, "Streaming DiLoCo: inner steps the nodes keep training while a fragment's reduction is in "
                          "flight (it is sent this many steps before it lands); below num_inner_steps / "
                          "sync_fragments.", min=0, added_later=True)
-    fragment_alpha: float = _f(1.0, "Streaming DiLoCo: when a fragment lands, each node's fragment becomes alpha x "
-                               "global + (1 - alpha) x its own, in (0, 1]; 1 takes the global one (the paper "
-                               "mixes 0.5 with a delay).", added_later=True)
+    fragment_alpha: float = _f(0.0, "Streaming DiLoCo: when a fragment lands, each node's fragment becomes alpha x its "
+                               "own + (1 - alpha) x global, in [0, 1]: the weight of the local copy, as the paper's "
+                               "alpha and torchft's fragment_update_alpha (0 takes the global one; the paper mixes "
+                               "0.5 with a delay). Applied with sync_fragments 1 and sync_delay 0 too.",
+                               added_later=True)
+    fragment_alpha_weighs: str = _f("local", "Written into a run directory's config.yaml: fragment_alpha weighs the "
+                                    "local copy (since 2026-11-24). A run directory without it was written when "
+                                    "fragment_alpha weighed the global copy; such a streaming run is refused on "
+                                    "resume.", choices=("local",), added_later=True)
     section("the simulated clock")  # docs/clock.md
     network: str = _f("datacentre", "The simulated cluster's network: a preset (datacentre, cross-region, consumer) "
                       "or 'BANDWIDTH,LATENCY' per node link (e.g. '1Gbit/s,50ms'). Only the clock reads it.",
@@ -327,6 +333,11 @@ class Config:
             faults[(step, node)] = kind
         return faults
 
+    @property
+    def streams(self) -> bool:
+        """Whether rounds run as Streaming DiLoCo (fragments, a delay, or a local copy kept at the landing)."""
+        return self.sync_fragments > 1 or self.sync_delay > 0 or self.fragment_alpha > 0
+
     def warnings(self) -> list[str]:
         """Valid settings that likely do not do what the user wants; run.py logs them before any work."""
         return [warning for check in CONFIG_WARNINGS for warning in check(self)]
@@ -358,6 +369,8 @@ class Config:
                    and not (fields[k].metadata["added_later"] and at_default(fields[k], v))}
         if self.sampling_method == "linear_rampup":
             meaning["rampup_tokens"] = self.rampup_tokens or self.max_tokens
+        if self.streams:  # fragment_alpha's meaning changed on 2026-11-24: no older streaming checkpoint matches
+            meaning["fragment_alpha_weighs"] = self.fragment_alpha_weighs
         return meaning
 
     def meaning_hash(self, legacy: bool = False) -> str:
@@ -498,7 +511,16 @@ def sketch_warnings(cfg: Config) -> list[str]:
             f"{SKETCH_WARN_BELOW} (the default 16384 errs by 1.1%)"]
 
 
-CONFIG_WARNINGS = (multi_instance_warnings, clock_warnings, sketch_warnings)
+def alpha_warnings(cfg: Config) -> list[str]:
+    """fragment_alpha 1 keeps every node's own copy: the trainers' weights never reach the nodes."""
+    if cfg.fragment_alpha == 1.0:
+        return ["fragment_alpha 1.0 keeps the nodes' own weights at every landing: they never take their trainer's "
+                "(since 2026-11-24 alpha is the local copy's weight, as torchft's fragment_update_alpha; 0 takes "
+                "the global weights, which is what 1.0 meant before)"]
+    return []
+
+
+CONFIG_WARNINGS = (multi_instance_warnings, clock_warnings, sketch_warnings, alpha_warnings)
 
 
 def check_multi_instance(cfg: Config) -> None:
@@ -537,9 +559,9 @@ def check_clock(cfg: Config) -> None:
                               "trainers: each trainer needs a node")
         if cfg.merge_frequency and trainers > 1 and step % cfg.merge_frequency == 0:
             trainers -= 1
-    if cfg.inner_steps_by_speed and (cfg.sync_fragments > 1 or cfg.sync_delay > 0):
+    if cfg.inner_steps_by_speed and cfg.streams:
         raise ConfigError("inner_steps_by_speed", "cannot be combined with Streaming DiLoCo (sync_fragments, "
-                          "sync_delay): its fragments are scheduled at fixed inner steps")
+                          "sync_delay, fragment_alpha): its fragments are scheduled at fixed inner steps")
 
 
 def check_adaptive_batching(cfg: Config) -> None:
@@ -576,8 +598,8 @@ def check_communication(cfg: Config) -> None:
                           f"{cfg.num_inner_steps} / {cfg.sync_fragments} (rounded down: "
                           f"{cfg.num_inner_steps // cfg.sync_fragments}): a fragment must land before the "
                           "next is sent")
-    if not 0 < cfg.fragment_alpha <= 1:
-        raise ConfigError("fragment_alpha", f"{cfg.fragment_alpha} is not in (0, 1]")
+    if not 0 <= cfg.fragment_alpha <= 1:
+        raise ConfigError("fragment_alpha", f"{cfg.fragment_alpha} is not in [0, 1] (the weight of the local copy)")
     if not 0 < cfg.topk_fraction <= 1:
         raise ConfigError("topk_fraction", f"{cfg.topk_fraction} is not in (0, 1] (the share of entries sent)")
 
@@ -754,6 +776,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = raw[section]
     _deep_update(raw, parse_overrides(overrides or []))
     return build_dataclass(schema or Config, raw)
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None, *, resuming: bool = False) -> Config:
+    """A run directory's config.yaml, read in today's meaning of fragment_alpha.
+
+    One written before 2026-11-24 (it names fragment_alpha but not fragment_alpha_weighs) meant by fragment_alpha
+    the weight of the global copy. Without streaming that value did nothing: it reads as 0 (take the global
+    copy, as the run did). With streaming a resume is refused, not reinterpreted; a reader (the harness, a
+    benchmark) gets 1 - alpha, the same mix in today's terms."""
+    cfg = load_config(path, overrides)
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if "fragment_alpha" not in raw or "fragment_alpha_weighs" in raw:
+        return cfg
+    old = float(raw["fragment_alpha"])
+    if not (cfg.sync_fragments > 1 or cfg.sync_delay > 0):
+        return cfg.replace(fragment_alpha=0.0)
+    if resuming:
+        raise ConfigError("fragment_alpha", f"{path} was written when fragment_alpha weighed the global copy "
+                          f"({old} of the global weights); it now weighs the local copy (torchft's "
+                          "fragment_update_alpha), so this streaming run cannot resume: start a new run with "
+                          f"fragment_alpha={1 - old:g} for the same mix")
+    return cfg.replace(fragment_alpha=1.0 - old)
 
 
 def markdown_table() -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
 from training_logs.records import TrainerRow, read_records
-from utils.config import WHERE_KEYS, Config, load_config
+from utils.config import WHERE_KEYS, Config, load_config, load_run_config
 from utils.errors import Interrupted
 from utils.run_state import in_use
 
@@ -48,7 +48,7 @@ def stops_where_asked(run_dir: Path, changes: list[str], wanted: Config) -> bool
     that reached max_tokens, or num_outer_steps."""
     if any(not change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes):
         return False
-    if load_config(run_dir / "config.yaml").meaning() != wanted.meaning():
+    if load_run_config(run_dir / "config.yaml").meaning() != wanted.meaning():
         return False
     rows = read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow) or []
     tokens = {r.outer_step: r.global_tokens or 0 for r in rows}
