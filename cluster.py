@@ -110,7 +110,9 @@ class ClusterController:
                                   cuda=any(d.startswith("cuda") for d in cfg.device_names))
         self.backend = build_backend(cfg, self.nodes, model, within_node, master_device, outer_sync, statistics_wire,
                                      self.streaming, sample_numel, dist_env)
-        self.sizes = WireSizes.of(initial, outer_sync, self.streaming, sample_numel, within_node, statistics_wire)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.sizes = WireSizes.of(initial, outer_sync, self.streaming, sample_numel, within_node, statistics_wire,
+                                  trainable if algo.syncs_gradients else 0)
         # the simulated clock (docs/clock.md): it observes the rounds, never changes their numbers
         clock = Clock(parse_network(cfg.network), throughput_curve(cfg, self.nodes, model, make_optimizer, precision,
                                                                    resume_state, dist_env),
@@ -340,6 +342,8 @@ class ClusterController:
             "largest_capped_request": self.logger.largest_capped_request,
             **self.clock.summary(),  # the simulated clock (docs/clock.md)
         }
+        if self.sizes.gradient_bytes:  # DDP / SNOO: each inner step's all-reduce per node (benchmarks/network.py)
+            summary["gradient_bytes"] = self.sizes.gradient_bytes
         if self.streaming is not None:  # each node's payload per fragment (benchmarks/network.py prices them)
             summary["fragment_bytes"] = list(self.sizes.fragment_bytes)
         if not self.driver.outer_sync.exact:  # how the encoded payloads travelled (runs before the ring: gathered)

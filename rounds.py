@@ -199,14 +199,15 @@ def token_shares(tokens: list[float]) -> list[float]:
 
 def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: torch.dtype = torch.float64,
             sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None,
-            streamed: bool = False, by_tokens: bool = False, members: dict[int, int] | None = None
-            ) -> dict[int, RoundResult]:
+            streamed: bool = False, by_tokens: bool = False, members: dict[int, int] | None = None,
+            identical: bool = False) -> dict[int, RoundResult]:
     """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
     order (compressed: master minus the mean of the decoded pseudo-gradients, `masters` giving each trainer's);
     and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype).
     streamed: the fragments' outer steps already ran during the round; no mean is taken.
     by_tokens (inner_steps_by_speed): each node weighs in by its share of the trainer's tokens.
-    members: each trainer's number of nodes this round, failed ones included (the owners of a compressed ring)."""
+    members: each trainer's number of nodes this round, failed ones included (the owners of a compressed ring).
+    identical (DDP, SNOO): the good nodes hold the same weights; the lowest id's are the mean, nothing travels."""
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
@@ -215,6 +216,8 @@ def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", w
         shares = token_shares([r.tokens for r in group]) if by_tokens else None
         if streamed:
             mean = None
+        elif identical:
+            mean = {name: v.detach().to(device, torch.float32, copy=True) for name, v in group[0].state.items()}
         elif sync is not None and not sync.exact:
             mean = sync.mean_of(masters[trainer_id], [r.payload for r in group],
                                 (members or {}).get(trainer_id, len(group)), shares)

@@ -44,6 +44,12 @@ class NodeJob:
     keep_local: bool = False
     # a compressed outer sync: `master` flattened once for the trainer's nodes (OuterSync.encode)
     flat_master: torch.Tensor | None = None
+    # DDP / SNOO: the node pauses after each inner step's backward (yielding GRADIENTS) so its trainer's nodes
+    # average their gradients before they step (distributed/synchronous.py)
+    sync_gradients: bool = False
+
+
+GRADIENTS = "gradients"  # what Node.steps yields where a synchronous trainer's gradients are averaged
 
 
 class RoundAbandoned(Exception):
@@ -129,6 +135,24 @@ class Node:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
         return flat.float() / self.scaler.get_scale() if self.scaler is not None else flat.float()
 
+    def gradients(self) -> torch.Tensor:
+        """The accumulated gradient as one fp32 vector, as it is (with the fp16 loss scale, which every node of a
+        synchronous trainer shares)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in self.params])
+
+    @torch.no_grad()
+    def load_gradients(self, flat: torch.Tensor) -> None:
+        """Replace the accumulated gradient by `flat` (gradients' layout), e.g. the trainer's mean."""
+        start = 0
+        for p in self.params:
+            value = flat[start:start + p.numel()].view(p.shape).to(p.device, p.dtype)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            start += p.numel()
+
     def _last_step_with_samples(self, idx: torch.Tensor,
                                 chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last step's batch in `chunks` pieces, recording each piece's gradient at the same point.
@@ -193,6 +217,8 @@ class Node:
                         p.grad.fill_(float("nan"))
                 loss = loss * float("nan")
             losses.append(loss)
+            if job.sync_gradients:
+                yield GRADIENTS  # the trainer's mean gradient replaces this node's (load_gradients)
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)  # clipping sees the true gradient
             if self.grad_clip > 0:
@@ -229,6 +255,7 @@ class Trainer:
     """One model instance. Subclasses define the inner optimizer and the outer step."""
 
     algorithm = ""
+    syncs_gradients = False  # DDP / SNOO: the nodes average their gradients after every inner step
 
     def __init__(self, trainer_id: int, initial_state: dict[str, torch.Tensor], parameter_names: set[str],
                  cfg: Config, sampler: ShardSampler, device: str = "cpu") -> None:
@@ -395,4 +422,27 @@ class DiLoCoTrainer(Trainer):
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
 
 
-TRAINERS = {cls.algorithm: cls for cls in (LocalSGDTrainer, DiLoCoTrainer)}
+class DDPTrainer(Trainer):
+    """Synchronous data parallel (the field's reference): the nodes average their gradients after every inner
+    step (one all-reduce each) and step the same inner AdamW, so they end the round with the same weights. There
+    is no outer step: the master takes them, and nothing travels at the round's end."""
+
+    algorithm = "DDP"
+    syncs_gradients = True
+    inner_optimizer_factory = staticmethod(DiLoCoTrainer.inner_optimizer_factory)
+
+    @torch.no_grad()
+    def outer_step(self, node_mean):
+        for name, value in node_mean.items():
+            self.master[name].copy_(value)
+
+
+class SNOOTrainer(DiLoCoTrainer):
+    """SNOO (Kallusky et al. 2025): DDP inside the round, then DiLoCo's outer step (Nesterov SGD in the paper's
+    setting: outer_momentum, outer_nesterov) on the H-step pseudo-gradient master - the nodes' common weights."""
+
+    algorithm = "SNOO"
+    syncs_gradients = True
+
+
+TRAINERS = {cls.algorithm: cls for cls in (LocalSGDTrainer, DiLoCoTrainer, DDPTrainer, SNOOTrainer)}

@@ -151,6 +151,7 @@ class SyncCost:
     inner_steps: int = 1
     statistics_bytes: int = 0  # the batch test's statistics (both reductions; 0: none travel)
     ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
+    step_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce (gradients and a count); nothing at the end
 
     def seconds(self, net: Network, num_nodes: int, weight_bytes: int, compute: float) -> float:
         """What the collectives add after the slowest node's `compute` seconds."""
@@ -162,7 +163,9 @@ class SyncCost:
         def collective(nbytes: int) -> float:
             return net.allgather(num_nodes, nbytes) if gathered else net.allreduce(num_nodes, nbytes)
 
-        if self.fragment_bytes:
+        if self.step_bytes:  # one all-reduce after each inner step's backward, not overlapped
+            total = self.inner_steps * net.allreduce(num_nodes, self.step_bytes)
+        elif self.fragment_bytes:
             hidden = self.overlap_steps * compute / self.inner_steps
             total = sum(max(0.0, collective(b + flags) - hidden) for b in self.fragment_bytes)
         else:

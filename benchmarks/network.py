@@ -69,15 +69,18 @@ class TrainerRound:
     accumulation: int = 1
     receivers: tuple[int, ...] = ()  # nodes that received the trainer's state before the round (node moves)
     ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
+    step_bytes: int = 0  # DDP / SNOO: each inner step's gradient all-reduce per node; nothing at the round's end
 
     @property
     def cost(self) -> SyncCost:
         return SyncCost(self.sync_bytes, self.fragment_bytes, self.overlap_steps, self.inner_steps,
-                        self.statistics_bytes, self.ring)
+                        self.statistics_bytes, self.ring, self.step_bytes)
 
     def sent_bytes(self, weight_bytes: int) -> int:
         """All nodes' outer-sync bytes in the round, on algorithms/traffic.py's definitions."""
         n = self.num_nodes
+        if self.step_bytes:
+            return self.inner_steps * ring_allreduce_bytes(n, self.step_bytes)
         payloads = self.fragment_bytes or (self.sync_bytes or weight_bytes,)
         flags = FLAG_BYTES * (n - 1) if self.fragment_bytes and self.sync_bytes and self.ring else 0
         return sum(n * (n - 1) * b if self.sync_bytes and not self.ring else ring_allreduce_bytes(n, b + flags)
@@ -208,7 +211,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, logged: bool = False) ->
                                               stats, sync_bytes, **streaming, trainer_id=t, nodes=nodes,
                                               micro_batch=r.loader_batch or 1,
                                               accumulation=r.accumulation_steps or 1, receivers=receivers,
-                                              ring=ring))
+                                              ring=ring, step_bytes=int(summary.get("gradient_bytes") or 0)))
             tokens_before[t] = seen
         for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
             for merged in map(int, m.merged.split()):

@@ -150,16 +150,19 @@ class WireSizes:
     sync_bytes: int  # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
     fragment_bytes: tuple[int, ...]  # streaming: one collective per fragment, each payload with its count/flag
     statistics_bytes: int  # one node's batch-test statistics
+    gradient_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce per node (fp32 gradients and a count)
 
     @classmethod
     def of(cls, initial: dict[str, torch.Tensor], sync: OuterSync, streaming: StreamingPlan | None,
-           sample_numel: int, within_node: bool, statistics_wire: torch.dtype) -> WireSizes:
+           sample_numel: int, within_node: bool, statistics_wire: torch.dtype, gradient_numel: int = 0
+           ) -> WireSizes:
         param_bytes = sum(v.numel() * 4 for v in initial.values())
         numels = {k: v.numel() for k, v in initial.items()}
         fragments = () if streaming is None else tuple(
             wire_size(sync, sum(numels[n] for n in names)) * (4 if sync.exact else 1) for names in streaming.fragments)
         return cls(param_bytes, sync.payload_bytes(param_bytes // 4), fragments,
-                   statistics_payload_bytes(sample_numel, within_node, statistics_wire))
+                   statistics_payload_bytes(sample_numel, within_node, statistics_wire),
+                   4 * (gradient_numel + 1) if gradient_numel else 0)
 
 
 def throughput_curve(cfg: Config, nodes: list[Node], model: torch.nn.Module, make_optimizer, precision,

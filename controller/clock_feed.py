@@ -44,7 +44,7 @@ class ClockFeed:
         return SyncCost(0 if self.sync_exact else sizes.sync_bytes, sizes.fragment_bytes if self.streaming else (),
                         self.sync_delay, self.num_inner_steps,
                         sizes.statistics_bytes if result is not None and result.statistics is not None else 0,
-                        self.sync_ring)
+                        self.sync_ring, sizes.gradient_bytes)
 
     def round(self, outer_step: int, jobs: list[NodeJob], results: dict[int, RoundResult]
               ) -> tuple[dict[int, dict], list[dict]]:

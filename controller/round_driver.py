@@ -106,7 +106,8 @@ class RoundDriver:
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
                                     reset_optimizer=state.owner[node_id] != t,
                                     inject_fault=self.injected.get((outer_step, node_id), ""),
-                                    keep_local=self.streaming and state.continues[node_id] == version))
+                                    keep_local=self.streaming and state.continues[node_id] == version,
+                                    sync_gradients=trainer.syncs_gradients))
                 tokens = float(self.tokens_per_sequence[indices.reshape(-1)].sum())
                 self.clock.work(t, NodeWork(node_id, tokens, loader_batch, accumulation,
                                             trainer.transfer_bytes() if moved else 0))
@@ -205,7 +206,8 @@ class RoundDriver:
         """The traffic of a trainer's sync, the batch test's decision and the trainer's row."""
         trainer, state, sizes = self.trainers[t], self.state, self.sizes
         requested_before = trainer.requested_batch
-        for payload in sizes.fragment_bytes if self.streaming else [sizes.sync_bytes]:
+        for payload in ([sizes.gradient_bytes] * self.cfg.num_inner_steps if trainer.syncs_gradients
+                        else sizes.fragment_bytes if self.streaming else [sizes.sync_bytes]):
             state.traffic.trainer_sync(len(res.nodes), payload,
                                        gathered=not (self.outer_sync.exact or self.outer_sync.ring),
                                        shard_flag_bytes=FLAG_BYTES if self.streaming and self.outer_sync.ring else 0)

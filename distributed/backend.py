@@ -49,6 +49,7 @@ from algorithms.streaming import StreamingPlan
 from distributed.liveness import Liveness, collective_failed
 from distributed.ring import QuantizedRing, RingHalf
 from distributed.streamed import LEFT, streamed_round
+from distributed.synchronous import synchronous_round
 from rounds import NodeFault, RoundResult, advance, empty_wire, run_node, token_shares
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
@@ -68,6 +69,7 @@ class DistributedBackend:
         self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
         self.numel = sum(shapes[n].numel() for n in names)
         self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters, or the sketch's k)
+        self.grad_params = sum(p.numel() for p in nodes[rank].params)  # DDP / SNOO: a gradient's length
         self.statistics_wire = statistics_wire  # statistics_comm: the dtype the statistics' vectors travel in
         self.sync = sync or OuterSync()  # outer_compression and error feedback
         self.streaming = streaming  # sync_fragments / sync_delay: fragments synced during the round
@@ -186,6 +188,10 @@ class DistributedBackend:
             pass
         elif self.streaming is not None:
             outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers)
+        elif job.sync_gradients:  # DDP / SNOO (distributed/synchronous.py): one all-reduce per inner step
+            ended = synchronous_round(self.nodes, [job], _Gradients(self, members[job.trainer_id]), _advance_or_leave)
+            abandoned = ended[self.rank] is LEFT
+            outcome = None if abandoned else ended[self.rank]
         else:
             try:
                 outcome = run_node(self.nodes[self.rank], job, self.sync)
@@ -207,6 +213,9 @@ class DistributedBackend:
         node_mean, statistics = None, None
         if self.streaming is not None:
             pass  # the fragments' outer steps ran during the round
+        elif own and job.sync_gradients:  # the good nodes hold the same weights
+            node_mean = _Gradients(self, members[mine]).common_weights(outcome if good else None,
+                                                                       [f["node_id"] for f in own])
         elif own and self.sync.exact:
             weights = self._flat(outcome.state if good else None)
             if self.by_tokens:  # each node's share of the tokens, known to all from the facts
@@ -398,6 +407,37 @@ class _Collectives:
         if len(members) == 1 and not backend.sync.exact:
             return [arrived]
         return arrived
+
+
+class _Gradients:
+    """A synchronous trainer's gradients under torchrun (distributed/synchronous.py's GradientTransport): one
+    all-reduce (SUM) of the trainer's group per inner step, the fp32 gradient and a count of 1 (0 and zeros from
+    a node that offers nothing), so the mean is over the nodes that offered one."""
+
+    def __init__(self, backend: DistributedBackend, members: tuple[int, ...]) -> None:
+        self.backend, self.members = backend, members
+
+    def mean(self, trainer_id: int, gradients: list[torch.Tensor | None]) -> torch.Tensor | None:
+        (grad,) = gradients  # this rank's node
+        if len(self.members) == 1:
+            return grad
+        backend = self.backend
+        if grad is None:
+            wire = torch.zeros(backend.grad_params + 1, dtype=torch.float32, device=backend.comm_device)
+        else:
+            wire = torch.cat([grad.to(backend.comm_device), torch.ones(1, device=backend.comm_device)])
+        total = backend._all_reduce(wire, self.members, "weights")
+        count = float(total[-1])
+        return total[:-1] / count if count else None
+
+    def common_weights(self, outcome: NodeResult | None, good_ids: list[int]) -> dict[str, torch.Tensor]:
+        """The trainer's weights after the round: this node's own, which every good node shares. When a member
+        failed, the lowest good node's reach every member (a broadcast: a fault's cost, outside the accounting)."""
+        backend = self.backend
+        flat = backend._flat(outcome.state if outcome is not None else None)
+        if len(good_ids) < len(self.members):
+            dist.broadcast(flat, src=min(good_ids), group=backend._group(self.members))
+        return backend._unflat(flat.to(backend.master_device))
 
 
 def _advance_or_leave(node_ids: list[int], round_steps: dict, job_of: dict) -> list:

@@ -14,6 +14,7 @@ import torch
 from algorithms.outer_sync import OuterSync, flatten
 from algorithms.streaming import StreamingPlan
 from distributed.streamed import LEFT, streamed_round
+from distributed.synchronous import SummedGradients, synchronous_round
 from fabrics.eval_tool import Evaluator
 from rounds import NodeFault, RoundResult, advance, combine, empty_wire, run_node, sum_wires
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
@@ -54,6 +55,8 @@ class RoundBackend:
                   ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         if self.streaming is not None:
             return self._run_streaming(jobs, trainers)
+        if any(job.sync_gradients for job in jobs):
+            return self._run_synchronous(jobs)
         if not self.sync.exact:  # each trainer's master flattened once, not once per node
             flat = {}
             for job in jobs:
@@ -80,6 +83,14 @@ class RoundBackend:
             if t in combined:
                 combined[t].outer_error = message
         return combined, [o for o in outcomes if isinstance(o, NodeFault)]
+
+    def _run_synchronous(self, jobs: list[NodeJob]):
+        """A DDP / SNOO round (distributed/synchronous.py): the gradients averaged after every inner step."""
+        ended = synchronous_round(self.nodes, jobs, SummedGradients(),
+                                  lambda ids, steps, job_of: self._map(lambda n: advance(steps[n], job_of[n]), ids))
+        outcomes = list(ended.values())
+        return (combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
+                        self.statistics_wire, identical=True), [o for o in outcomes if isinstance(o, NodeFault)])
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""

@@ -396,3 +396,21 @@ def test_eight_processes_with_an_int8_ring_equal_the_simulated_cluster_and_send_
     assert got["allreduce_bytes"] == expected["allreduce_bytes"] == 2 * 2 * 7 * payload  # 2 rounds
     assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"] == expected["bytes_communicated"]
     assert expected["allreduce_bytes"] <= 0.30 * 2 * 2 * 7 * expected["weight_bytes"]
+
+
+@pytest.mark.parametrize("algo", ["DDP", "SNOO"])
+def test_torchrun_ddp_and_snoo_equal_the_simulated_cluster(tmp_path, cache_dir, algo):
+    """Synchronous data parallel under torchrun: one real all-reduce of the trainer's gradients (and a count) per
+    inner step; two trainers of two nodes, merged after step 2 into one of four. Both backends take the same
+    decisions with the same numbers, and the collectives send what the accounting says: H gradient all-reduces
+    per round, nothing at the round's end."""
+    args = [*RUN, f"distributed_algo={algo}", "num_init_trainers=2", "num_outer_steps=3", f"cache_dir={cache_dir}",
+            f"log_dir={tmp_path}", "cpu_threads=1"]
+    expected_dir, expected, got = _simulated_then_torchrun(tmp_path, args, merges=None)
+    assert expected["merges"] == 1
+    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes",
+                "syncs"):
+        assert got[key] == expected[key], key
+    assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"]
+    nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]
+    assert expected["allreduce_bytes"] == sum(3 * 2 * (n - 1) * expected["gradient_bytes"] for n in nodes if n > 1)

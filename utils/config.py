@@ -157,8 +157,11 @@ class Config:
                          "bert (BertForSequenceClassification, with dataset: imdb).", choices=("microllama", "bert"))
     model_config: ModelConfig = _f(ModelConfig(), "Model name and weights (see model_config.* keys).")
     section("algorithm")
-    distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient) or "
-                               "LocalSGD (inner SGD, outer = plain average).", choices=("DiLoCo", "LocalSGD"))
+    distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient), LocalSGD (inner "
+                               "SGD, outer = plain average), DDP (synchronous data parallel: gradients averaged "
+                               "after every inner step, one AdamW, no outer step) or SNOO (DDP plus DiLoCo's outer "
+                               "step on the H-step pseudo-gradient).",
+                               choices=("DiLoCo", "LocalSGD", "DDP", "SNOO"))
     num_outer_steps: int = _f(12, "Outer steps (synchronisation rounds).", min=1, resume=True)
     max_tokens: int = _f(0, "Stop after the outer step at which all trainers together have seen this many "
                          "tokens (a token budget for fair comparisons); 0 = run all num_outer_steps.",
@@ -236,10 +239,9 @@ class Config:
                                "alpha and torchft's fragment_update_alpha (0 takes the global one; the paper mixes "
                                "0.5 with a delay). Applied with sync_fragments 1 and sync_delay 0 too.",
                                added_later=True)
-    fragment_alpha_weighs: str = _f("local", "Written into a run directory's config.yaml: fragment_alpha weighs the "
-                                    "local copy (since 2026-11-24). A run directory without it was written when "
-                                    "fragment_alpha weighed the global copy; such a streaming run is refused on "
-                                    "resume.", choices=("local",), added_later=True)
+    fragment_alpha_weighs: str = _f("local", "Marks fragment_alpha's meaning since 2026-11-24 in a run's config.yaml; "
+                                    "a run without it is read as utils.config.load_run_config says.",
+                                    choices=("local",), added_later=True)
     section("the simulated clock")  # docs/clock.md
     network: str = _f("datacentre", "The simulated cluster's network: a preset (datacentre, cross-region, consumer) "
                       "or 'BANDWIDTH,LATENCY' per node link (e.g. '1Gbit/s,50ms'). Only the clock reads it.",
@@ -437,6 +439,15 @@ def check_algorithm(cfg: Config) -> None:
         raise ConfigError("outer_nesterov", "Nesterov needs outer_momentum > 0 (DiLoCo uses 0.9)")
     if len(cfg.inner_betas) != 2 or not all(0 <= b < 1 for b in cfg.inner_betas):
         raise ConfigError("inner_betas", f"expected two numbers in [0, 1), got {cfg.inner_betas}")
+    if cfg.distributed_algo in ("DDP", "SNOO"):  # gradients cross every inner step: no pseudo-gradient travels
+        for key, value, plain in (("outer_compression", cfg.outer_compression, "none"),
+                                  ("sync_fragments", cfg.sync_fragments, 1), ("sync_delay", cfg.sync_delay, 0),
+                                  ("fragment_alpha", cfg.fragment_alpha, 0.0),
+                                  ("inner_steps_by_speed", cfg.inner_steps_by_speed, False)):
+            if value != plain:
+                raise ConfigError(key, f"{value} does not apply to distributed_algo {cfg.distributed_algo}: its "
+                                  "nodes average their gradients after every inner step (leave it at "
+                                  f"{plain})")
 
 
 def check_cluster(cfg: Config) -> None:
