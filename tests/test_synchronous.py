@@ -2,21 +2,15 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster import RoundBackend
 from fabrics.dataset_loader import PackedData, ShardSampler
 from run import train
+from tests.test_streaming import tiny_model
 from trainers import DDPTrainer, DiLoCoTrainer, Node, NodeJob, SNOOTrainer
 from utils.config import load_config
 from utils.errors import ConfigError
 from utils.model_state import float_state
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
 
 
 def data():
