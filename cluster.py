@@ -122,7 +122,7 @@ class ClusterController:
         self.clock = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(self.nodes)), self.sizes,
                                outer_sync.exact, self.streaming is not None, cfg.node_speeds, cfg.num_inner_steps,
                                cfg.sync_delay, cfg.inner_steps_by_speed, cfg.target_metric,
-                               self.evaluator.higher_is_better, outer_sync.ring)
+                               self.evaluator.higher_is_better, outer_sync.ring, policies.batch_test.uses_statistics)
         self.driver = RoundDriver(cfg, self.nodes, self.state, self.backend, self.clock, self.evaluator, policies,
                                   self.sizes, outer_sync, merge_sync, self.streaming is not None, grad_chunks,
                                   data.train.tokens_per_sequence)

@@ -143,12 +143,12 @@ class RunSession:
                          resumable=False, extendable=extendable, final_metric=summary["final_metric"],
                          message=f"completed; `python run.py --resume {run_dir} num_outer_steps=N` (N > "
                          f"{summary['outer_steps']}) trains it on" if extendable else "completed")
-        log.info("final model: trainer %d, %s %.4g (start %.4g); %s, %s, accumulation used: %s; %s, %s, %.1f "
-                 "MB communicated; %.0f s", summary["final_trainer"], summary["metric"], summary["final_metric"],
+        log.info("final model: trainer %d, %s %.4g (start %.4g); %s, %s, accumulation used: %s; %s, %s, %s; %.0f s",
+                 summary["final_trainer"], summary["metric"], summary["final_metric"],
                  summary["initial_metric"], plural(summary["merges"], "merge"),
                  plural(summary["batch_increases"], "batch increase"), summary["accumulation_used"],
-                 plural(summary["rounds"], "round"), plural(summary["syncs"], "sync"),
-                 summary["bytes_communicated"] / 1e6, summary["wall_time_s"])
+                 plural(summary["rounds"], "round"), plural(summary["syncs"], "sync"), sent_line(summary),
+                 summary["wall_time_s"])
         if summary["capped_requests"]:
             log.warning("the batch test was capped by max_requested_batch %d in %s (it asked for up to %d): the "
                         "batches followed the cap, not the test", cfg.max_requested_batch,
@@ -285,6 +285,18 @@ def record_ending(run_dir: Path, exc: BaseException) -> None:
     if state == "stopped":
         fields["signal"] = signal_name(code - 128)
     write_status(run_dir, state, **fields)
+
+
+def sent_line(summary: dict) -> str:
+    """What the run sent, as its final line says it: the bytes its method needs (weights, and the batch test's
+    statistics when it decides with them), and statistics sent for the log only apart."""
+    line = f"{summary['bytes_needed'] / 1e6:.1f} MB communicated"
+    if summary["statistics_bytes"]:
+        line += (f" ({summary['bytes_communicated'] / 1e6:.1f} MB weights + {summary['statistics_bytes'] / 1e6:.1f} "
+                 "MB batch-test statistics)")
+    if summary["logged_statistics_bytes"]:
+        line += f"; {summary['logged_statistics_bytes'] / 1e6:.1f} MB of statistics for the log only, not counted"
+    return line
 
 
 def final_resumable(final: Path) -> bool:

@@ -23,8 +23,12 @@ node_move_bytes     a node that starts a round from weights it does not hold (it
                     or its trainer was merged on another node) receives them: P. The common initial
                     weights are not counted.
 bytes_communicated  allreduce_bytes + merge_bytes + node_move_bytes.
-statistics_bytes    the batch tests' two reductions per trainer and round (2 (n-1) x each node's payload),
-                    counted apart: they are the price of adaptive batching, not of the outer sync.
+statistics_bytes    the batch tests' two reductions per trainer and round (2 (n-1) x each node's payload), in
+                    the precision the run sent them (statistics_comm), when the batch test decides with them.
+bytes_needed        bytes_communicated + statistics_bytes: the traffic a method needs for its own decisions
+                    (AdLoCo's batch test included). Byte budgets, bytes columns and plots count this.
+logged_statistics_bytes  the same reductions sent for the log only (log_batch_statistics with a batch schedule
+                    that ignores them): shown apart, charged to no method, not priced by the clock.
 """
 
 from __future__ import annotations
@@ -46,10 +50,16 @@ class Traffic:
     node_move_bytes: int = 0
     node_moves: int = 0
     statistics_bytes: int = 0  # the batch tests' reductions; not part of bytes_communicated (#7's weights traffic)
+    logged_statistics_bytes: int = 0  # the same, sent for the log only: charged to no method
 
     @property
     def bytes_communicated(self) -> int:
         return self.allreduce_bytes + self.merge_bytes + self.node_move_bytes
+
+    @property
+    def bytes_needed(self) -> int:
+        """What the method sends for its own decisions: the weights traffic and the batch test's statistics."""
+        return self.bytes_communicated + self.statistics_bytes
 
     def trainer_sync(self, num_nodes: int, payload_bytes: int, gathered: bool = False, shard_flag_bytes: int = 0
                      ) -> None:
@@ -63,9 +73,13 @@ class Traffic:
                 num_nodes * (num_nodes - 1) * payload_bytes if gathered
                 else ring_allreduce_bytes(num_nodes, payload_bytes + shard_flag_bytes * (num_nodes - 1)))
 
-    def statistics(self, num_nodes: int, payload_bytes: int) -> None:
-        """One trainer's batch-test statistics: ring all-reduces of each node's `payload_bytes`."""
-        self.statistics_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
+    def statistics(self, num_nodes: int, payload_bytes: int, for_the_log: bool = False) -> None:
+        """One trainer's batch-test statistics: ring all-reduces of each node's `payload_bytes` (for_the_log: the
+        batch schedule ignores them; they are counted apart)."""
+        if for_the_log:
+            self.logged_statistics_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
+        else:
+            self.statistics_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
 
     def merge(self, moved_bytes: int) -> None:
         self.syncs += 1
@@ -77,4 +91,4 @@ class Traffic:
 
     def row(self) -> dict[str, int]:
         """The counters as they appear in training_log.csv, summary.json and the trackers."""
-        return {**asdict(self), "bytes_communicated": self.bytes_communicated}
+        return {**asdict(self), "bytes_communicated": self.bytes_communicated, "bytes_needed": self.bytes_needed}

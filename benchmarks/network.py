@@ -146,11 +146,11 @@ def timeline(rounds: list[RoundWork], net: Network, node_throughput: float | Thr
 
 
 # ---------------------------------------------------------------------------------------------------------
-def _statistics_bytes(run_config: dict, weight_bytes: int, statistics: bool, logged: bool = False) -> int:
-    """Bytes per node of the batch test's statistics reductions (distributed/backend.py), 0 if none travel.
-    logged: also those a batch schedule that ignores them sent for the log only (log_batch_statistics)."""
+def _statistics_bytes(run_config: dict, weight_bytes: int, statistics: bool) -> int:
+    """Bytes per node of the batch test's statistics reductions (distributed/backend.py), 0 if none travel or the
+    batch schedule ignores them (those sent for the log only are charged to no method)."""
     test = BATCH_TESTS.get(run_config.get("sampling_method", ""))
-    sent = test is not None and (test.uses_statistics or (logged and run_config.get("log_batch_statistics", True)))
+    sent = test is not None and test.uses_statistics
     if not statistics or not sent:
         return 0
     within_node = run_config.get("variance_estimator", "micro_batches") == "micro_batches"
@@ -165,10 +165,10 @@ def _sync_bytes(run_config: dict, weight_bytes: int) -> int:
     return 0 if sync.exact else sync.payload_bytes(weight_bytes // 4)
 
 
-def read_rounds(run_dir: Path, statistics: bool = True, logged: bool = False) -> tuple[list[RoundWork], int, int]:
+def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork], int, int]:
     """A finished run's rounds, the bytes P of its fp32 weights and the bytes_communicated they add up to.
-    logged: the statistics as the run sent them, those it sent for the log only included (as its live clock
-    charged them: a replay then gives the run's own sim_time).
+    statistics: the batch test's statistics, when it decides with them, as the run sent them (its live clock
+    prices the same: a replay gives the run's own sim_time). Statistics sent for the log only are not priced.
 
     Runs written before summary.json carried `weight_bytes` get P from their all-reduce traffic."""
     report = run_dir / "model_training_report"
@@ -183,7 +183,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, logged: bool = False) ->
     for m in merges:
         merges_at.setdefault(m.outer_step, []).append(m)
     weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
-    stats = _statistics_bytes(run_config, weight_bytes, statistics, logged)
+    stats = _statistics_bytes(run_config, weight_bytes, statistics)
     sync_bytes = _sync_bytes(run_config, weight_bytes)
     ring = summary.get("compressed_sync") == "ring"  # runs made before the ring all-gathered their payloads
     streaming = {"fragment_bytes": tuple(summary.get("fragment_bytes") or ()),

@@ -15,8 +15,10 @@ from trainers import NodeJob
 class ClockFeed:
     def __init__(self, clock: Clock, schedule: NodeSchedule, sizes: WireSizes, sync_exact: bool, streaming: bool,
                  node_speeds: list[float], num_inner_steps: int, sync_delay: int, inner_steps_by_speed: bool,
-                 target_metric: float, higher_is_better: bool, sync_ring: bool = False) -> None:
+                 target_metric: float, higher_is_better: bool, sync_ring: bool = False,
+                 statistics_decide: bool = True) -> None:
         self.clock, self.schedule, self.sizes, self.sync_ring = clock, schedule, sizes, sync_ring
+        self.statistics_decide = statistics_decide  # False: statistics sent for the log only are not priced
         self.sync_exact, self.streaming, self.node_speeds = sync_exact, streaming, node_speeds
         self.num_inner_steps, self.sync_delay, self.by_speed = num_inner_steps, sync_delay, inner_steps_by_speed
         self.target_metric, self.higher_is_better = target_metric, higher_is_better
@@ -43,7 +45,8 @@ class ClockFeed:
         sizes = self.sizes
         return SyncCost(0 if self.sync_exact else sizes.sync_bytes, sizes.fragment_bytes if self.streaming else (),
                         self.sync_delay, self.num_inner_steps,
-                        sizes.statistics_bytes if result is not None and result.statistics is not None else 0,
+                        sizes.statistics_bytes if self.statistics_decide and result is not None
+                        and result.statistics is not None else 0,
                         self.sync_ring, sizes.gradient_bytes)
 
     def round(self, outer_step: int, jobs: list[NodeJob], results: dict[int, RoundResult]

@@ -212,7 +212,8 @@ class RoundDriver:
                                        gathered=not (self.outer_sync.exact or self.outer_sync.ring),
                                        shard_flag_bytes=FLAG_BYTES if self.streaming and self.outer_sync.ring else 0)
         if res.statistics is not None:
-            state.traffic.statistics(len(res.nodes), sizes.statistics_bytes)
+            state.traffic.statistics(len(res.nodes), sizes.statistics_bytes,
+                                     for_the_log=not self.policies.batch_test.uses_statistics)
         state.seen(evaluation.value, self.evaluator.higher_is_better)
         self.clock.reached(evaluation.value, clock["sim_time_s"])
         decision = self.policies.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),

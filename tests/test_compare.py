@@ -36,11 +36,16 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "3000",
                        "--max_outer_steps", "40", "--diloco_batches", "2,4", "--out", str(out), *SMALL,
                        f"cache_dir={cache_dir}", "merge_frequency=1", "initial_batch_size=3", "max_batch_size=2",
-                       "ETA=0.3", "max_requested_batch=6", "--network", "lab=1Gbit/s,1ms", "--network", "consumer"])
+                       "ETA=0.3", "max_requested_batch=6", "--network", "lab=1Gbit/s,1ms", "--network", "consumer",
+                       "--add_variant", "mine=adloco_paper:ETA=0.5 merge_frequency=1"])
     assert rc == 0
     table = {r["variant"]: r for r in read_csv(out / "comparison.csv")}
-    assert set(table) == {"adloco", "adloco_no_adaptive", "adloco_no_merge", "adloco_no_switch", "diloco_b2",
-                          "diloco_b4", "diloco_rampup", "localsgd"}
+    assert set(table) == {"adloco", "adloco_paper", "adloco_no_adaptive", "adloco_no_merge", "adloco_no_switch",
+                          "diloco_b2", "diloco_b4", "diloco_rampup", "localsgd", "ddp", "snoo", "mine"}
+    # a variant from the command line: its base's overrides, then its own
+    mine = load_config(out / "runs" / "mine_seed0" / "config.yaml")
+    assert (mine.variance_estimator, mine.ETA, mine.initial_batch_size, mine.merge_frequency) == ("nodes", 0.5, 1, 1)
+    bytes_each_variant_needs(out, table)
     # components switched off
     assert float(table["adloco"]["merges"]) >= 1
     assert float(table["adloco_no_merge"]["merges"]) == 0 and float(table["diloco_b2"]["merges"]) == 0
@@ -80,6 +85,27 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
         assert (out / f"val_perplexity_vs_{key}.png").is_file()
     network_model_is_checked(out, table, report, tmp_path, cache_dir)
+
+
+def bytes_each_variant_needs(out, table):
+    """AdLoCo's statistics count in its bytes; DiLoCo's (sent for the log only) are shown apart and not charged; DDP
+    sends H times DiLoCo's weights bytes per round at the same nodes and batch (and a 4-byte count per step)."""
+    adloco, diloco = table["adloco"], table["diloco_b2"]
+    assert float(adloco["statistics_bytes"]) > 0 and float(adloco["logged_statistics_bytes"]) == 0
+    assert float(adloco["bytes"]) == float(adloco["weights_bytes"]) + float(adloco["statistics_bytes"])
+    assert float(diloco["statistics_bytes"]) == 0 and float(diloco["logged_statistics_bytes"]) > 0
+    assert float(diloco["bytes"]) == float(diloco["weights_bytes"])
+    summary = json.loads((out / "runs" / "ddp_seed0" / "summary.json").read_text())
+    ratio = summary["gradient_bytes"] / summary["weight_bytes"]
+    per_round = {name: float(table[name]["weights_bytes"]) / float(table[name]["rounds"])
+                 for name in ("ddp", "diloco_b4")}
+    assert per_round["ddp"] == pytest.approx(3 * ratio * per_round["diloco_b4"], rel=1e-12)  # H = 3
+    assert table["snoo"]["weights_bytes"] == table["ddp"]["weights_bytes"]
+    report = (out / "comparison.md").read_text()
+    for heading in ("## Bytes each variant needs", "## Optimizer steps to the target against the best constant",
+                    "critical batch"):
+        assert heading in report, heading
+    assert (out / "requested_batch_vs_tokens.png").is_file()
 
 
 def network_model_is_checked(out, table, report, tmp_path, cache_dir):

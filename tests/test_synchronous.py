@@ -116,7 +116,7 @@ def test_ddp_sends_h_times_dilocos_weights_bytes_per_token_and_snoo_the_same(tmp
     # the network model reads the same bytes back and prices the run as its live clock did
     for algo in ("DDP", "DiLoCo"):
         run_dir, summary = runs[algo]
-        rounds, weights, communicated = read_rounds(run_dir, logged=True)
+        rounds, weights, communicated = read_rounds(run_dir)
         assert accounted_bytes(rounds, weights) == communicated == summary["bytes_communicated"]
         times, _ = timeline(rounds, parse_network("consumer"), load_config(None).node_tokens_per_s, weights)
         assert times[max(times)] == pytest.approx(summary["sim_time_s"], rel=1e-9)

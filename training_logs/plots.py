@@ -151,18 +151,26 @@ def _plot_metric_per_trainer(run: _Run) -> list[Path]:
     return outputs
 
 
+def _counter(row: dict, key: str) -> float:
+    """A traffic counter of a training_log.csv row (rows before 2026-11-24 have no bytes_needed)."""
+    value = row.get(key)
+    if value in (None, "") and key == "bytes_needed":
+        value = row.get("bytes_communicated")
+    return float(value or 0)
+
+
 def _plot_communication(run: _Run) -> Path:
     """The cluster's model against what the cluster spent on communication (#7's counters)."""
     best, steps = run.best, run.steps
     counters = [("rounds", "rounds (outer steps)", 1.0), ("syncs", "syncs (cross-node all-reduces + merges)", 1.0),
-                ("bytes_communicated", "MB communicated", 1e6)]
+                ("bytes_needed", "MB communicated (weights + batch-test statistics)", 1e6)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
     for ax, (key, x_label, scale) in zip(axes, counters):
-        xs = [float(best[s][0].get(key) or 0) / scale for s in steps]
+        xs = [_counter(best[s][0], key) / scale for s in steps]
         ax.plot(xs, [best[s][1] for s in steps], color="black", lw=2, marker="o", ms=3)
         for step in run.merge_steps:
             if step in best:
-                ax.axvline(float(best[step][0].get(key) or 0) / scale, color="grey", ls=":", lw=1)
+                ax.axvline(_counter(best[step][0], key) / scale, color="grey", ls=":", lw=1)
         ax.set(xlabel=x_label)
         ax.grid(alpha=0.3)
         if run.log_y:

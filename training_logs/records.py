@@ -55,6 +55,8 @@ class TrainerRow:
     node_move_bytes: Int = None
     node_moves: Int = None
     statistics_bytes: Int = None
+    logged_statistics_bytes: Int = None  # sent for the log only (rows written before 2026-11-24: in statistics_bytes)
+    bytes_needed: Int = None  # bytes_communicated + statistics_bytes (rows before 2026-11-24: absent)
     wall_time: Float = None
     trainers_alive: Int = None
     # the simulated clock (docs/clock.md)

@@ -29,11 +29,12 @@ from benchmarks.compare.variants import (  # noqa: E402
     COMMUNICATION_VARIANTS,
     Variant,
     catalogue,
+    custom,
     select,
     variants,
 )
 from utils.config import load_config  # noqa: E402
-from utils.errors import Interrupted, raise_interrupted  # noqa: E402
+from utils.errors import Interrupted, UserError, raise_interrupted  # noqa: E402
 
 __all__ = ["main", "build_parser", "cluster_overrides", "variants", "catalogue", "Variant", "COMMUNICATION_VARIANTS",
            "CLUSTER_VARIANTS", "read_run", "ran_shapes", "value_at", "first_reaching", "Options"]
@@ -70,8 +71,14 @@ def compare(args: Options) -> int:
     base = load_config(args.config, list(args.overrides))
     extra = warm_start(args, out)
     args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
-    chosen = select(catalogue(base, args.batches, args.localsgd_lr), args.variants, args.diloco_batches,
-                    bool(args.cluster))
+    known = catalogue(base, args.batches, args.localsgd_lr)
+    added = custom(args.add_variant, known)
+    for v in added.values():  # a bad override fails here, in one line, before any run
+        try:
+            load_config(args.config, [*args.overrides, *v.overrides])
+        except UserError as exc:
+            raise SystemExit(f"error: --add_variant {v.name}: {exc}") from None
+    chosen = {**select(known, args.variants, args.diloco_batches, bool(args.cluster)), **added}
     if not args.max_tokens:
         # the budget: what AdLoCo itself consumes in the configured number of outer steps; that run stops where the
         # budget does, so it is reused below as AdLoCo seed 0 (runner.stops_where_asked)
@@ -85,7 +92,8 @@ def compare(args: Options) -> int:
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
         run = read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
-        results.setdefault(name, []).append({**run, "family": chosen[name].family})
+        results.setdefault(name, []).append({**run, "family": chosen[name].family,
+                                             "constant_batch": chosen[name].constant_batch})
     report_out = Path(args.report_out) if args.report_out else out
     report_out.mkdir(parents=True, exist_ok=True)
     print(write_outputs(summarise(results, base, args), results, args, report_out))

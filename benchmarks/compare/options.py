@@ -18,11 +18,18 @@ overrides of the base config:
   adloco_no_adaptive  sampling_method: constant
   adloco_no_merge     merge_frequency: 0
   adloco_no_switch    switch_mode: only_data_loader (never accumulate)
+  adloco_paper        AdLoCo as the paper runs it where our default departs: variance_estimator nodes (one
+                      gradient per node), ETA 0.8, initial_batch_size 1, merge_frequency 3
   diloco_bB           one trainer on all nodes, constant batch B (--diloco_batches, default 2,4,8,16),
                       run as it really is: loader batch x accumulation (only_gradient_accumulation)
   diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
                       max_requested_batch over the token budget (Megatron's rampup-batch-size)
   localsgd            as diloco_b<initial batch> with LocalSGD (inner SGD at --localsgd_lr, outer = average)
+  ddp                 synchronous data parallel over the same nodes at the middle diloco_bB batch: gradients
+                      averaged after every inner step (one all-reduce each), one AdamW, no outer step
+  snoo                ddp plus an outer Nesterov step (lr 0.7, momentum 0.9) on the H-step pseudo-gradient
+                      (SNOO, Kallusky et al. 2025)
+  --add_variant NAME=[BASE:]KEY=VALUE ...   your own, e.g. 'paper_eta07=adloco_paper:ETA=0.7'
   communication (when named, or --variants communication; error feedback on):
   adloco_sketch       statistics_comm: sketch
   adloco_int8, adloco_fp8, adloco_topk    outer_compression int8 / fp8 / topk (2%)
@@ -91,13 +98,14 @@ class Options:
     cluster: str
     throughput_curve: str
     no_statistics: bool
+    add_variant: tuple[str, ...]  # NAME=[BASE:]KEY=VALUE ...: variants from the command line (variants.custom)
     overrides: tuple[str, ...]  # run.py overrides for every variant: --cluster's first, then the command line's
     warm_from: str = ""  # the warm start's model directory, as the report shows it
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> Options:
         args = vars(build_parser().parse_args(argv))
-        for key in ("pretrain_set", "network", "overrides"):
+        for key in ("pretrain_set", "network", "overrides", "add_variant"):
             args[key] = tuple(args[key])
         if args["cluster"]:  # every run on the described cluster, before the command line's own overrides
             args["overrides"] = (*cluster_overrides(args["cluster"]), *args["overrides"])
@@ -153,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--curve) instead of a flat tokens/s")
     p.add_argument("--no_statistics", action="store_true",
                    help="network model: leave out the batch test's statistics (the weights traffic only)")
+    p.add_argument("--add_variant", action="append", default=[], metavar="NAME=[BASE:]KEY=VALUE ...",
+                   help="a variant of your own (repeatable), run beside --variants: BASE's overrides (an existing "
+                   "variant; its family too) then these, whitespace-separated; e.g. "
+                   "'paper_eta07=adloco_paper:ETA=0.7'")
     p.add_argument("overrides", nargs="*", help="run.py key=value overrides applied to every variant, after "
                    "--config (e.g. lr_inner=1e-3 num_inner_steps=10); each variant's own keys come after them")
     return p

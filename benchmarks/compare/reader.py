@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import yaml
+
 from training_logs.plots import models_alive
 from training_logs.records import MergeEvent, TrainerRow, read_records
 from utils.config import Config
@@ -24,6 +26,9 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     metric = summary["metric"]
     pick = max if metric == "val_accuracy" else min
     merge_at = {m.outer_step: m for m in merges}
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    decides = _statistics_decide(config)
+    inner_steps = int(config.get("num_inner_steps", 1))
     by_step: dict[int, list[TrainerRow]] = {}
     for r in rows:
         by_step.setdefault(r.outer_step, []).append(r)
@@ -33,13 +38,20 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
         # the merged model replaces its members from this point on (as the plots and the trackers read it)
         alive = models_alive({r.trainer_id: getattr(r, metric) for r in rs},
                              [dataclasses.asdict(merge_at[step])] if step in merge_at else [])
+        best = pick(alive, key=alive.get)
+        batch = next((r.requested_batch for r in rs if r.trainer_id == best), rs[-1].requested_batch)
         last = rs[-1]
         # the run's own simulated clock: when this step's last trainer (or its merge) finished
         sim = [r.sim_time_s for r in rs if r.sim_time_s is not None]
         if step in merge_at and merge_at[step].sim_time_s is not None:
             sim.append(merge_at[step].sim_time_s)
-        curve.append({"step": step, "metric": pick(alive.values()), "tokens": last.global_tokens or 0,
-                      "rounds": last.rounds or 0, "syncs": last.syncs or 0, "bytes": last.bytes_communicated or 0,
+        curve.append({"step": step, "metric": alive[best], "tokens": last.global_tokens or 0,
+                      "steps": step * inner_steps,  # optimizer steps in sequence (each node's, every round)
+                      "batch": batch,  # the requested batch of the best model alive
+                      "rounds": last.rounds or 0, "syncs": last.syncs or 0, "bytes": bytes_needed(last, decides),
+                      "weights_bytes": last.bytes_communicated or 0,
+                      "statistics_bytes": bytes_needed(last, decides) - (last.bytes_communicated or 0),
+                      "logged_statistics_bytes": logged_statistics(last, decides),
                       "wall": last.wall_time or 0.0, "sim_time": max(sim, default=0.0)})
     trained = [r for r in rows if r.outer_step != 0]
     if reprice_on is not None:
@@ -52,6 +64,29 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
             "max_accumulation": max(r.accumulation_steps for r in trained),
             "grad_sq_norm": [r.grad_sq_norm for r in trained if r.grad_sq_norm is not None],
             "train_loss_first": trained[0].train_loss}
+
+
+def _statistics_decide(config: dict) -> bool:
+    """Whether the run's batch schedule decides with the statistics (else they were sent for the log only)."""
+    from algorithms.calc_batch import BATCH_TESTS
+
+    test = BATCH_TESTS.get(config.get("sampling_method", ""))
+    return test is not None and test.uses_statistics
+
+
+def bytes_needed(row: TrainerRow, decides: bool) -> int:
+    """The traffic the method needs for its own decisions: weights, and its batch test's statistics when it decides
+    with them (rows before 2026-11-24 have no bytes_needed and counted statistics for the log in statistics_bytes)."""
+    if row.bytes_needed is not None:
+        return row.bytes_needed
+    return (row.bytes_communicated or 0) + ((row.statistics_bytes or 0) if decides else 0)
+
+
+def logged_statistics(row: TrainerRow, decides: bool) -> int:
+    """Statistics sent for the log only: charged to no method."""
+    if row.logged_statistics_bytes is not None:
+        return row.logged_statistics_bytes
+    return 0 if decides else (row.statistics_bytes or 0)
 
 
 def ran_shapes(rows: list[dict]) -> str:
@@ -92,7 +127,7 @@ def repriced(run_dir: Path, summary: dict, curve: list[dict], cfg: Config) -> di
     from algorithms.network import describe, parse_network
     from benchmarks import network
 
-    rounds, weight_bytes, _ = network.read_rounds(run_dir, logged=True)  # what the run's live clock charged
+    rounds, weight_bytes, _ = network.read_rounds(run_dir)  # what the run's live clock charged
     throughput = ThroughputCurve.flat(cfg.node_tokens_per_s) if cfg.throughput == "flat" else \
         ThroughputCurve.load(cfg.throughput)
     clock, times = network.replay(rounds, parse_network(cfg.network), throughput, weight_bytes, cfg.node_speeds)

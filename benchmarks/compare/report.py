@@ -8,6 +8,7 @@ import statistics
 from datetime import datetime
 from pathlib import Path
 
+from benchmarks.compare import batches
 from benchmarks.compare.options import Options
 from benchmarks.compare.pricing import clock_report, cluster_sections, network_report
 from benchmarks.compare.reader import first_reaching, value_at
@@ -37,8 +38,9 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
         row = {"variant": name, "ran": runs[0]["ran"], "final_mean": final_mean, "final_std": final_std,
                "best_seen_mean": statistics.mean(r["best_seen"] for r in runs if r["best_seen"] is not None)
                if any(r["best_seen"] is not None for r in runs) else None}
-        for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
-            row[key] = statistics.mean(r["curve"][-1][key] for r in runs)
+        for key in ("tokens", "rounds", "syncs", "bytes", "weights_bytes", "statistics_bytes",
+                    "logged_statistics_bytes", "wall"):
+            row[key] = statistics.mean(r["curve"][-1].get(key, 0) for r in runs)
         for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
             reach = [first_reaching(r["curve"], target, key, higher) for r in runs]
             got = [v for v in reach if v is not None]
@@ -61,6 +63,9 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
                                "after_vs_best_member_pct_mean": statistics.mean(change),
                                "after_vs_best_member_pct_worst": (min if higher else max)(change),
                                "share_better_than_weighted": sum(better_than_weighted) / len(events)})
+    steps, critical = batches.rows(results, target, higher)
+    for row, measured in zip(main_rows, steps):
+        row.update({k: v for k, v in measured.items() if k != "variant"})
     budgets = {"tokens": float(args.max_tokens)}
     for axis in ("rounds", "syncs", "bytes"):
         totals = [r["curve"][-1][axis] for runs in results.values() for r in runs if r["curve"][-1][axis] > 0]
@@ -73,6 +78,7 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
             budget_rows.append({"axis": axis, "budget": budget, "variant": name, "metric_mean": mean,
                                 "metric_std": std, "runs_ended_below_budget": sum(not ok for _, ok in values)})
     return {"metric": metric, "target": target, "reference": reference, "main": main_rows, "budgets": budget_rows,
+            "critical_batch": critical,
             "merges": merge_rows}
 
 
@@ -127,7 +133,20 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
                                           "max_accumulation", "theorem2_bound"]), "",
              "## To the target (mean over seeds; k/n: only k of n seeds reached it)", "",
              *table(report["main"], ["variant", "tokens_to_target", "rounds_to_target", "syncs_to_target",
-                                      "bytes_to_target", "wall_to_target"]), ""]
+                                      "bytes_to_target", "wall_to_target"]), "",
+             "## Bytes each variant needs (mean over seeds, at the end)", "",
+             "bytes: what the method sends for its own decisions, the weights traffic (weights_bytes: outer syncs or "
+             "DDP's gradient all-reduces, merges, node moves) and its batch test's statistics in the precision it "
+             "sent them (statistics_bytes); every bytes column and budget counts this. logged_statistics_bytes: "
+             "statistics sent for the log only (log_batch_statistics), charged to no method.", "",
+             *table(report["main"], ["variant", "bytes", "weights_bytes", "statistics_bytes",
+                                      "logged_statistics_bytes"]), "",
+             "## Optimizer steps to the target against the best constant batch", "",
+             "steps: optimizer steps in sequence (rounds x H) until the best model alive reaches the target; "
+             "steps_vs_best_constant: against the constant batch (diloco_bB) that needs fewest (Merrill et al. "
+             f"2025's measure for batch warmup). The sweep's {report['critical_batch']} (Zhang et al. 2025: steps "
+             "within 20% of linear scaling).", "",
+             *table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"]), ""]
     for axis, label in AXES.items():
         rows = [r for r in report["budgets"] if r["axis"] == axis]
         if not rows:
@@ -146,7 +165,7 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
               "value is used). Budgets for rounds, syncs and bytes: the smallest total any communicating run "
               "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
               "benchmarks/theory.py.", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in plot(results, metric, out)]
+    lines += [f"![{p.stem}]({p.name})" for p in [*plot(results, metric, out), batches.plot(results, out)]]
     if args.cluster:
         lines += ["", *clock_report(results, metric, args)]
     lines += ["", *network_report(results, metric, args, out)]

@@ -6,7 +6,15 @@ import dataclasses
 
 from utils.config import Config
 
-FAMILIES = ("adloco", "diloco", "localsgd")  # AdLoCo and its ablations; the DiLoCo baselines; LocalSGD
+# AdLoCo and its ablations; the DiLoCo baselines; LocalSGD; synchronous data parallel (DDP, SNOO)
+FAMILIES = ("adloco", "diloco", "localsgd", "synchronous")
+
+# AdLoCo as the paper runs it, where our default departs (Appendix A.2 and section 3): one gradient per node
+# (the nodes estimator), ETA 0.8, batches from 1, merges every 3 outer steps. The inner AdamW's betas and clipping
+# are not stated in the paper (the authors' code uses torch's defaults); they stay the regime's.
+PAPER = ("variance_estimator=nodes", "ETA=0.8", "initial_batch_size=1", "merge_frequency=3")
+# SNOO's outer step (Kallusky et al. 2025): Nesterov SGD on the H-step pseudo-gradient, DiLoCo's 0.7 / 0.9
+SNOO = ("distributed_algo=SNOO", "lr_outer=0.7", "outer_momentum=0.9", "outer_nesterov=true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,7 +22,8 @@ class Variant:
     name: str
     family: str  # one of FAMILIES: plots draw adloco solid, the rest dashed; crossover compares against diloco
     overrides: tuple[str, ...]
-    group: str = "core"  # core (in --variants all), communication (when named), cluster (with --cluster)
+    group: str = "core"  # core (in --variants all), communication (when named), cluster (with --cluster), custom
+    constant_batch: int = 0  # the constant-batch sweep (diloco_bB): its batch B
 
 
 # compressed outer sync, sketched statistics and streaming; diloco_* use the middle --diloco_batches batch (8 by
@@ -46,6 +55,7 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     single = ["num_init_trainers=1", "merge_frequency=0"]
     real_batch = "switch_mode=only_gradient_accumulation"  # a constant batch B really runs B sequences per step
     chosen = [Variant("adloco", "adloco", ()),
+              Variant("adloco_paper", "adloco", PAPER),
               Variant("adloco_no_adaptive", "adloco", ("sampling_method=constant",)),
               Variant("adloco_no_merge", "adloco", ("merge_frequency=0",)),
               Variant("adloco_no_switch", "adloco", ("switch_mode=only_data_loader",))]
@@ -53,18 +63,41 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     for b in diloco_batches:
         diloco_at[b] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
                         f"max_requested_batch={max(b, base.max_requested_batch)}", real_batch]
-        chosen.append(Variant(f"diloco_b{b}", "diloco", tuple(diloco_at[b])))
+        chosen.append(Variant(f"diloco_b{b}", "diloco", tuple(diloco_at[b]), constant_batch=b))
     chosen.append(Variant("diloco_rampup", "diloco", (*single, "sampling_method=linear_rampup", "rampup_tokens=0",
                                                       real_batch)))
     chosen.append(Variant("localsgd", "localsgd", (*single, "sampling_method=constant", "distributed_algo=LocalSGD",
                                                    f"lr_inner={localsgd_lr}")))
-    # communication (issue 22), run when named or with --variants communication: error feedback on throughout
     reference_batch = diloco_batches[len(diloco_batches) // 2] if diloco_batches else base.initial_batch_size
     diloco = diloco_at.get(reference_batch) or [*single, "sampling_method=constant", real_batch]
+    # the field's references on the same nodes, at the middle DiLoCo batch (the same tokens per step): DDP
+    # (gradients averaged every inner step, one AdamW, no outer step) and SNOO (DDP + an outer Nesterov step)
+    chosen.append(Variant("ddp", "synchronous", (*diloco, "distributed_algo=DDP")))
+    chosen.append(Variant("snoo", "synchronous", (*diloco, *SNOO)))
+    # communication (issue 22), run when named or with --variants communication: error feedback on throughout
     for group, table in (("communication", COMMUNICATION), ("cluster", CLUSTER)):
         for name, (family, scheme) in table.items():
             chosen.append(Variant(name, family, (*(diloco if family == "diloco" else []), *scheme), group))
     return {v.name: v for v in chosen}
+
+
+def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Variant]:
+    """--add_variant NAME=[BASE:]KEY=VALUE ...: a variant from the command line, the overrides of an existing variant
+    BASE (its family too) first, then its own (whitespace-separated); without BASE, AdLoCo's family."""
+    added: dict[str, Variant] = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        base, _, own = rest.partition(":") if ":" in rest.split("=", 1)[0] else ("", "", rest)
+        if not name.isidentifier() or not own.split():
+            raise SystemExit(f"error: --add_variant {spec!r}: expected NAME=[BASE:]KEY=VALUE ..., e.g. "
+                             "'paper_eta07=adloco_paper:ETA=0.7'")
+        if name in known or name in added:
+            raise SystemExit(f"error: --add_variant: {name} is already a variant")
+        if base and base not in known:
+            raise SystemExit(f"error: --add_variant {name}: unknown base {base}; choose from {', '.join(known)}")
+        parent = known[base] if base else Variant(name, "adloco", ())
+        added[name] = Variant(name, parent.family, (*parent.overrides, *own.split()), "custom")
+    return added
 
 
 def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dict[str, list[str]]:
