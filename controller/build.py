@@ -46,13 +46,25 @@ def master_device_of(cfg: Config, node_devices: list[str]) -> str:
     return devices.pop() if len(devices) == 1 and next(iter(devices)).startswith("cuda") else "cpu"
 
 
+def card_of(device: str) -> str:
+    """The physical device a simulated one runs on: 'cuda' is 'cuda:0'."""
+    return "cuda:0" if device == "cuda" else device
+
+
+def nodes_on_card(cfg: Config, device: str) -> int:
+    """Nodes of every simulated device on the same physical CUDA card as `device` (they share its memory)."""
+    return cfg.nodes_per_gpu * sum(card_of(d) == card_of(device) for d in cfg.device_names)
+
+
 def _probe(cfg: Config, model: torch.nn.Module, make_optimizer, device: str, key: int, spec, data: CorpusData) -> int:
     """The largest micro-batch a node of device `key` fits (utils/max_batch_calculator.py)."""
     try:
         return find_max_batch_size(
             model, make_optimizer, device, cfg.seq_len, padding_percentage=cfg.padding_percentage,
-            nodes_per_gpu=cfg.nodes_per_gpu, device_memory_mb=spec.memory_mb or cfg.device_memory_mb,
-            upper=min(cfg.max_requested_batch, len(data.train)), num_cpu_devices=cfg.device_names.count("cpu"))
+            nodes_per_gpu=cfg.nodes_per_gpu,
+            device_memory_mb=spec.memory_mb if device.startswith("cuda") else spec.memory_mb or cfg.device_memory_mb,
+            upper=min(cfg.max_requested_batch, len(data.train)), num_cpu_devices=cfg.device_names.count("cpu"),
+            nodes_on_card=nodes_on_card(cfg, device))
     except UserError as exc:
         if not spec.memory_mb or device.startswith("cuda"):
             raise
@@ -67,7 +79,7 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
     max_batch_size, or the memory probe (once per device; under torchrun each process probes its own)."""
     nodes: list[Node] = []
     local = None if dist_env is None else dist_env.rank
-    probed: dict[int, int] = {}
+    probed: dict[tuple, int] = {}
     for key, spec in enumerate(cfg.device_specs):
         for _ in range(cfg.nodes_per_gpu):
             node_id = len(nodes)
@@ -84,9 +96,12 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
             elif not mine:
                 max_batch = 0  # probed by its own process, shared below
             else:
-                if key not in probed:
-                    probed[key] = _probe(cfg, model, make_optimizer, device, key, spec, data)
-                max_batch = probed[key]
+                # CUDA: once per card and memory_mb (a device probed after others on its card would count their
+                # replicas against itself); CPU: once per simulated device
+                same = (card_of(device), spec.memory_mb) if device.startswith("cuda") else (key,)
+                if same not in probed:
+                    probed[same] = _probe(cfg, model, make_optimizer, device, key, spec, data)
+                max_batch = probed[same]
             replica = replicate(model, device) if mine else None  # other processes hold the other nodes
             node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile)
             node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event

