@@ -416,3 +416,28 @@ def test_busy_machine_benchmark_runs_each_wait_policy_alone_and_beside_busy_proc
     assert "| ours | beside 1 busy |" in (out / "busy_machine.md").read_text()
     with pytest.raises(SystemExit, match="error: the job libgomp_default_0 failed .exit 2.: error: config key"):
         busy_main(["--busy", "1", *TINY, f"cache_dir={cache_dir}", "num_outer_step=1"])
+
+
+def test_a_variant_from_the_command_line_takes_its_base_then_its_own_overrides():
+    from benchmarks.compare.variants import PAPER, catalogue, custom
+
+    known = catalogue(load_config(ROOT / "configs" / "compare_cpu.yaml"), [2, 4, 8, 16], 0.3)
+    assert known["adloco_paper"].overrides == PAPER and "variance_estimator=nodes" in PAPER
+    assert known["ddp"].overrides == (*known["diloco_b8"].overrides, "distributed_algo=DDP")
+    added = custom(("paper_eta07=adloco_paper:ETA=0.7", "b3=diloco_b2:initial_batch_size=3 max_requested_batch=3",
+                    "plain=ETA=0.5"), known)
+    assert added["paper_eta07"].overrides == (*PAPER, "ETA=0.7") and added["paper_eta07"].family == "adloco"
+    assert added["b3"].family == "diloco" and added["b3"].overrides[-2:] == ("initial_batch_size=3",
+                                                                             "max_requested_batch=3")
+    assert added["plain"].overrides == ("ETA=0.5",) and added["plain"].family == "adloco"
+    for spec, words in (("nothing", r"expected NAME=\[BASE:\]KEY=VALUE"), ("x=nope:ETA=1", "unknown base nope"),
+                        ("adloco=ETA=1", "adloco is already a variant"), ("x=adloco:", "expected NAME")):
+        with pytest.raises(SystemExit, match=words):
+            custom((spec,), known)
+
+
+def test_a_bad_override_of_a_variant_from_the_command_line_is_refused_before_any_run(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--add_variant mine: config key 'ETA'"):
+        compare_main(["--config", str(ROOT / "config.yaml"), "--out", str(tmp_path), "--variants", "adloco",
+                      "--add_variant", "mine=adloco_paper:ETA=banana"])
+    assert not (tmp_path / "runs" / "adloco_seed0").exists()
