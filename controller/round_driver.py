@@ -93,6 +93,8 @@ class RoundDriver:
             shapes = {n: self.policies.switch_mode.decide(trainer.requested_batch, self.nodes[n].max_batch)
                       for n in assignment[t]}
             inner_steps = self.clock.inner_steps(assignment[t], shapes, slowdown)
+            # DDP / SNOO: the nodes step one AdamW in lockstep; when one of them starts afresh, they all do
+            restart = trainer.syncs_gradients and any(state.owner[n] != t for n in assignment[t])
             for node_id in assignment[t]:
                 moved = state.holds[node_id] not in (None, version)
                 if moved:
@@ -104,7 +106,7 @@ class RoundDriver:
                 indices = trainer.sampler.take(steps * accumulation * loader_batch).view(steps, accumulation,
                                                                                          loader_batch)
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
-                                    reset_optimizer=state.owner[node_id] != t,
+                                    reset_optimizer=restart or state.owner[node_id] != t,
                                     inject_fault=self.injected.get((outer_step, node_id), ""),
                                     keep_local=self.streaming and state.continues[node_id] == version,
                                     sync_gradients=trainer.syncs_gradients))

@@ -129,3 +129,26 @@ def test_ddp_sends_h_times_dilocos_weights_bytes_per_token_and_snoo_the_same(tmp
 def test_ddp_refuses_what_does_not_apply(override, key):
     with pytest.raises(ConfigError, match=f"'{key}'.*does not apply to distributed_algo DDP"):
         load_config(None, ["distributed_algo=DDP", override])
+
+
+def test_after_a_merge_every_node_of_a_ddp_trainer_starts_afresh_so_they_stay_identical(tiny_config, monkeypatch):
+    """A merge brings the absorbed trainer's nodes to the survivor with a new AdamW; the survivor's own nodes start
+    one too (one optimizer in lockstep), or the same mean gradient would move the nodes apart."""
+    import distributed.in_process as in_process
+
+    real, groups = in_process.combine, []
+
+    def checked(results, *args, identical=False, **kwargs):
+        if identical:
+            by_trainer = {}
+            for r in results:
+                by_trainer.setdefault(r.trainer_id, []).append(r)
+            for group in by_trainer.values():
+                groups.append(len(group))
+                assert all(torch.equal(r.state[name], group[0].state[name]) for r in group for name in r.state)
+        return real(results, *args, identical=identical, **kwargs)
+
+    monkeypatch.setattr(in_process, "combine", checked)
+    train(tiny_config("distributed_algo=DDP", "num_init_trainers=2", "devices=[cpu,cpu]", "merge_frequency=1",
+                      "num_outer_steps=2", "sampling_method=constant", "run_name=merged"))
+    assert groups == [2, 2, 4]  # two trainers of two nodes, then the merged one of four
