@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algorithms.calc_batch import GradientStatistics, trainer_statistics
+from algorithms.calc_batch import REFERENCE_WIRE, GradientStatistics, StatisticsWire, trainer_statistics
 from algorithms.outer_sync import OuterSync, flatten, unflatten
 from algorithms.streaming import FLAG_BYTES
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned
@@ -197,7 +197,7 @@ def token_shares(tokens: list[float]) -> list[float]:
     return [t / total if total else 1 / len(tokens) for t in tokens]
 
 
-def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: torch.dtype = torch.float64,
+def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: StatisticsWire = REFERENCE_WIRE,
             sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None,
             streamed: bool = False, by_tokens: bool = False, members: dict[int, int] | None = None,
             identical: bool = False) -> dict[int, RoundResult]:

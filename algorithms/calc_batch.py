@@ -87,125 +87,140 @@ def statistics_of(samples: GradientSamples) -> GradientStatistics:
                               len(groups) - len(set(groups)))
 
 
-@dataclass
-class NodeGradientSums:
-    """One node's share of a trainer's GradientStatistics: sums that add up across nodes.
+@dataclass(frozen=True)
+class StatisticsWire:
+    """How a trainer's batch-test statistics travel (statistics_comm; the derivation: docs/mechanisms.md,
+    "The batch tests' statistics on the wire").
 
-    within_node: the node's samples form their own group (the micro_batches estimator), so its
-    deviations are measured here; otherwise all of a trainer's samples form one group (the nodes
-    estimator) and the deviations follow from the totals: sum b ||g - m||^2 = sum b ||g||^2 - B ||m||^2.
-    The inner-product term needs the trainer's mean first: a second, scalar reduction (`inner_sum`).
+    Two reductions (SUM) among the trainer's nodes. First one vector per node: its b-weighted gradient sum
+    sum_i b_i g_i and its batch sum_i b_i, in `dtype`, from which every node knows the trainer's mean m. Then
+    fp64 scalars that each node measures on its own samples against m:
+
+    minimal (two_vectors False; statistics_comm minimal, and sketch in sketch space): [count, groups,
+      sum b ||d||^2, sum ||d||^2, sum b <d, m>^2, sum b <g, m>], d_i = g_i minus its group's mean (the node's
+      own: micro_batches; m: nodes). The last scalar gives <m*, m> in fp64 (m* the exact mean, m the one the
+      fp32 vector delivered), so ||m*||^2 = 2 <m*, m> - ||m||^2 + ||m* - m||^2 is known to fp64 accuracy
+      (the last term is second order in the fp32 rounding).
+    reference (two_vectors True; statistics_comm fp64, the exact protocol every earlier result used): the
+      nodes estimator sends the plain sum sum_i g_i as a second vector and takes its deviations from totals
+      (sum b ||g - m||^2 = sum b ||g||^2 - B ||m||^2); 7 scalars [sum b ||g||^2, sum ||g||^2, count, groups,
+      sum b ||d||^2, sum ||d||^2 (micro_batches only), sum b <d, m>^2].
     """
 
-    weighted_sum: torch.Tensor  # [P] sum_i b_i g_i (fp64)
-    plain_sum: torch.Tensor | None  # [P] sum_i g_i; None within_node (the deviations are measured here)
-    batch: float  # sum_i b_i
-    weighted_sq: float  # sum_i b_i ||g_i||^2
-    plain_sq: float  # sum_i ||g_i||^2
-    count: int  # samples
-    groups: int  # groups measured here (within_node: 1 per node with samples)
-    weighted_dev: float  # within_node: sum_i b_i ||g_i - node mean||^2
-    plain_dev: float
+    dtype: torch.dtype = torch.float32
+    two_vectors: bool = False
 
-    @classmethod
-    def of(cls, grads: torch.Tensor, batch_sizes: torch.Tensor, within_node: bool) -> NodeGradientSums:
-        # fp64, in as few passes over the [k, P] samples as possible (matmuls and norms, no squares kept)
-        g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
-        weighted_sum = b @ g
-        weighted_dev = plain_dev = 0.0
-        if within_node:
-            sq_dev = torch.linalg.vector_norm(g - weighted_sum / b.sum(), dim=1) ** 2
-            weighted_dev, plain_dev = float((b * sq_dev).sum()), float(sq_dev.sum())
-        sq = torch.linalg.vector_norm(g, dim=1) ** 2
-        return cls(weighted_sum, None if within_node else g.sum(0), float(b.sum()), float((b * sq).sum()),
-                   float(sq.sum()), len(b), int(within_node), weighted_dev, plain_dev)
+    def vectors_size(self, numel: int, within_node: bool) -> int:
+        """Entries of one node's vector reduction (numel: length of a gradient sample)."""
+        return numel * (2 if self.two_vectors and not within_node else 1) + 1
 
-    # What crosses the network, in two reductions (SUM): first the vectors and the batch, in the wire dtype
-    # of statistics_comm (the batch is a small whole number, exact in fp32); then, once the trainer's
-    # mean is known, the scalars and this node's inner sum, always fp64 (the nodes estimator subtracts
-    # two of them, which fp32 would not survive).
-    def vectors(self, wire: torch.dtype = torch.float64) -> torch.Tensor:
-        """[weighted_sum, plain_sum (nodes estimator only), batch] in the wire dtype."""
-        vectors = [self.weighted_sum] + ([self.plain_sum] if self.plain_sum is not None else [])
-        batch = torch.tensor([self.batch], dtype=torch.float64, device=self.weighted_sum.device)
-        return torch.cat([*vectors, batch]).to(wire)
+    @property
+    def scalars_size(self) -> int:
+        return 7 if self.two_vectors else 6
 
-    @staticmethod
-    def vectors_size(numel: int, within_node: bool) -> int:
-        return numel * (1 if within_node else 2) + 1
+    def payload_bytes(self, numel: int, within_node: bool) -> int:
+        """Bytes one node puts into its trainer's two statistics reductions."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return self.vectors_size(numel, within_node) * element + 8 * self.scalars_size
 
-    SCALARS = 7  # weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev, inner
-
-    def scalars(self, inner: float) -> torch.Tensor:
-        return torch.tensor([self.weighted_sq, self.plain_sq, self.count, self.groups, self.weighted_dev,
-                             self.plain_dev, inner], dtype=torch.float64)
-
-    @staticmethod
-    def reduced_mean(vectors: torch.Tensor, within_node: bool) -> torch.Tensor:
-        """The trainer's b-weighted mean from the summed vectors (fp64)."""
-        p = (vectors.numel() - 1) // (1 if within_node else 2)
+    def reduced_mean(self, vectors: torch.Tensor, within_node: bool) -> torch.Tensor:
+        """The trainer's b-weighted mean m from the summed vectors (fp64)."""
+        p = (vectors.numel() - 1) // (2 if self.two_vectors and not within_node else 1)
         vectors = vectors.double()
         return vectors[:p] / vectors[-1]
 
-    @classmethod
-    def from_reduced(cls, vectors: torch.Tensor, scalars: torch.Tensor,
-                     within_node: bool) -> tuple[NodeGradientSums, float]:
-        """The trainer's summed shares and summed inner sums, from the two reduced buffers."""
-        p = (vectors.numel() - 1) // (1 if within_node else 2)
-        vectors = vectors.double()
-        weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev, inner = scalars.tolist()
-        total = cls(vectors[:p], None if within_node else vectors[p:2 * p], float(vectors[-1]), weighted_sq, plain_sq,
-                    round(count), round(groups), weighted_dev, plain_dev)
-        return total, inner
-
-    def inner_sum(self, grads: torch.Tensor, batch_sizes: torch.Tensor, mean: torch.Tensor,
-                  within_node: bool) -> float:
-        """This node's sum_i b_i <d_i, mean>^2, given the trainer's mean."""
-        g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
-        group_mean = self.weighted_sum / self.batch if within_node else mean
-        return float((b * (g @ mean - group_mean @ mean) ** 2).sum())  # <g_i - group mean, mean>, no [k, P] temporary
-
-    def statistics(self, inner: float, within_node: bool) -> GradientStatistics:
-        """The trainer's statistics from the summed node shares (self) and the summed inner sums."""
-        mean = self.weighted_sum / self.batch
-        sq_norm = float(mean @ mean)
-        if within_node:
-            weighted_dev, plain_dev, dof = self.weighted_dev, self.plain_dev, self.count - self.groups
+    def statistics(self, vectors: torch.Tensor, scalars: torch.Tensor, within_node: bool) -> GradientStatistics:
+        """The trainer's statistics from the two summed buffers."""
+        mean = self.reduced_mean(vectors, within_node)
+        batch, m_sq = float(vectors[-1]), float(mean @ mean)
+        if self.two_vectors:
+            weighted_sq, plain_sq, count, groups, weighted_dev, plain_dev, inner = scalars.tolist()
+            sq_norm = m_sq
+            if not within_node:  # from totals: sum b ||g - m||^2 = sum b ||g||^2 - B ||m||^2, and the plain one
+                p = mean.numel()
+                plain_sum = vectors.double()[p:2 * p]
+                weighted_dev = weighted_sq - batch * sq_norm
+                plain_dev = plain_sq - 2 * float(mean @ plain_sum) + count * sq_norm
         else:
-            weighted_dev = self.weighted_sq - self.batch * sq_norm
-            plain_dev = self.plain_sq - 2 * float(mean @ self.plain_sum) + self.count * sq_norm
-            dof = self.count - 1
+            count, groups, weighted_dev, plain_dev, inner, mean_dot = scalars.tolist()
+            sq_norm = max(0.0, 2 * mean_dot / batch - m_sq) if batch > 0 else 0.0
+        dof = round(count) - (round(groups) if within_node else 1)
         ortho_dev = weighted_dev - inner / sq_norm if sq_norm > 0 else weighted_dev
         return GradientStatistics(mean, sq_norm, weighted_dev, plain_dev, inner, ortho_dev, dof)
 
 
-STATISTICS_WIRE = {"fp64": torch.float64, "fp32": torch.float32, "sketch": torch.float64}  # statistics_comm
+REFERENCE_WIRE = StatisticsWire(torch.float64, two_vectors=True)
+STATISTICS_WIRE = {  # statistics_comm
+    "minimal": StatisticsWire(torch.float32),  # one fp32 vector + 6 fp64 scalars: the default
+    "fp64": REFERENCE_WIRE,  # the exact two-vector reference
+    "fp32": StatisticsWire(torch.float32, two_vectors=True),  # the reference's vectors in fp32 (superseded)
+    "sketch": StatisticsWire(torch.float64),  # the minimal protocol in sketch space (k entries, fp64)
+}
 
 
-def statistics_payload_bytes(numel: int, within_node: bool, wire: torch.dtype = torch.float64) -> int:
+@dataclass
+class NodeGradientSums:
+    """One node's share of its trainer's statistics: the vector it sends, then (`scalars`) the numbers it
+    measures once the trainer's mean is known. No node ever holds another node's gradients."""
+
+    grads: torch.Tensor  # [k, P] this node's samples (fp64); they never travel
+    batch_sizes: torch.Tensor  # [k] examples behind each (fp64)
+    weighted_sum: torch.Tensor  # [P] sum_i b_i g_i (fp64)
+    within_node: bool  # the micro_batches estimator: this node's samples form their own group
+    wire: StatisticsWire
+
+    @classmethod
+    def of(cls, grads: torch.Tensor, batch_sizes: torch.Tensor, within_node: bool,
+           wire: StatisticsWire = REFERENCE_WIRE) -> NodeGradientSums:
+        g, b = grads.double(), batch_sizes.to(grads.device, torch.float64)
+        return cls(g, b, b @ g, within_node, wire)
+
+    def vectors(self) -> torch.Tensor:
+        """[weighted_sum, plain_sum (reference protocol, nodes estimator), batch] in the wire dtype; the batch
+        is a small whole number, exact in fp32."""
+        parts = [self.weighted_sum]
+        if self.wire.two_vectors and not self.within_node:
+            parts.append(self.grads.sum(0))
+        batch = self.batch_sizes.sum().reshape(1)
+        return torch.cat([*parts, batch]).to(self.wire.dtype)
+
+    def scalars(self, mean: torch.Tensor) -> torch.Tensor:
+        """This node's fp64 scalars, given the trainer's mean (on this node's device)."""
+        g, b, mean = self.grads, self.batch_sizes, mean.to(self.grads.device, torch.float64)
+        center = self.weighted_sum / b.sum() if self.within_node else mean
+        g_dot_m = g @ mean
+        inner = float((b * (g_dot_m - center @ mean) ** 2).sum())  # sum b <d_i, m>^2, no [k, P] temporary
+        count, groups = len(b), int(self.within_node)
+        measured = self.within_node or not self.wire.two_vectors
+        sq_dev = torch.linalg.vector_norm(g - center, dim=1) ** 2 if measured else None
+        weighted_dev = float((b * sq_dev).sum()) if measured else 0.0
+        plain_dev = float(sq_dev.sum()) if measured else 0.0
+        if self.wire.two_vectors:
+            sq = torch.linalg.vector_norm(g, dim=1) ** 2
+            values = [float((b * sq).sum()), float(sq.sum()), count, groups, weighted_dev, plain_dev, inner]
+        else:
+            values = [count, groups, weighted_dev, plain_dev, inner, float((b * g_dot_m).sum())]
+        return torch.tensor(values, dtype=torch.float64)
+
+
+def statistics_payload_bytes(numel: int, within_node: bool, wire: StatisticsWire = REFERENCE_WIRE) -> int:
     """Bytes one node puts into its trainer's two statistics reductions (numel: length of a sample)."""
-    element = torch.empty(0, dtype=wire).element_size()
-    return NodeGradientSums.vectors_size(numel, within_node) * element + NodeGradientSums.SCALARS * 8
+    return wire.payload_bytes(numel, within_node)
 
 
 def trainer_statistics(node_samples: list[tuple[torch.Tensor, torch.Tensor]], within_node: bool,
-                       wire: torch.dtype = torch.float64) -> GradientStatistics:
+                       wire: StatisticsWire = REFERENCE_WIRE) -> GradientStatistics:
     """A trainer's statistics from its nodes' samples (each on its node's device), in one process: the
-    same two reductions as across processes (vectors in the wire dtype, then the fp64 scalars), added in
-    node order on the first node's device, so no sample is stacked or copied to the host."""
-    node_samples = [(g.double(), b) for g, b in node_samples]  # once: both passes below read fp64
-    shares = [NodeGradientSums.of(g, b, within_node) for g, b in node_samples]
+    same two reductions as across processes (the vectors in the wire dtype, then the fp64 scalars), added
+    in node order on the first node's device, so no sample is stacked or copied to the host."""
+    shares = [NodeGradientSums.of(g, b, within_node, wire) for g, b in node_samples]
     device = shares[0].weighted_sum.device
-    vectors = shares[0].vectors(wire)
+    vectors = shares[0].vectors()
     for share in shares[1:]:
-        vectors = vectors + share.vectors(wire).to(device)
-    mean = NodeGradientSums.reduced_mean(vectors, within_node)
-    scalars = None
-    for share, (g, b) in zip(shares, node_samples):
-        part = share.scalars(share.inner_sum(g, b, mean.to(g.device), within_node))
-        scalars = part if scalars is None else scalars + part
-    total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
-    return total.statistics(inner, within_node)
+        vectors = vectors + share.vectors().to(device)
+    mean = wire.reduced_mean(vectors, within_node)
+    scalars = sum((share.scalars(mean).cpu() for share in shares[1:]), shares[0].scalars(mean).cpu())
+    return wire.statistics(vectors, scalars, within_node)
 
 
 class BatchTest(ABC):

@@ -35,7 +35,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from algorithms.calc_batch import NodeGradientSums
 from algorithms.network import Network
 from algorithms.streaming import FLAG_BYTES
 
@@ -171,8 +170,9 @@ class SyncCost:
         else:
             total = collective(self.sync_bytes or weight_bytes)
         if self.statistics_bytes:
-            scalars = 8 * NodeGradientSums.SCALARS  # the second reduction, once the trainer's mean is known
-            total += net.allreduce(num_nodes, self.statistics_bytes - scalars) + net.allreduce(num_nodes, scalars)
+            # two reductions: the vector, then the scalars once the trainer's mean is known; a ring's time is
+            # linear in its bytes, so only their number and their total matter (StatisticsWire has the split)
+            total += net.allreduce(num_nodes, self.statistics_bytes) + net.allreduce(num_nodes, 0)
         return total
 
 

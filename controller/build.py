@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from algorithms.calc_batch import statistics_payload_bytes
+from algorithms.calc_batch import StatisticsWire, statistics_payload_bytes
 from algorithms.clock import ThroughputCurve
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan
@@ -142,7 +142,7 @@ def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingP
 
 
 def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, within_node: bool, master_device: str,
-                  sync: OuterSync, statistics_wire: torch.dtype, streaming: StreamingPlan | None, sample_numel: int,
+                  sync: OuterSync, statistics_wire: StatisticsWire, streaming: StreamingPlan | None, sample_numel: int,
                   dist_env=None) -> Backend:
     """In this process (RoundBackend), or one node per torchrun process (DistributedBackend)."""
     if dist_env is None:
@@ -169,7 +169,7 @@ class WireSizes:
 
     @classmethod
     def of(cls, initial: dict[str, torch.Tensor], sync: OuterSync, streaming: StreamingPlan | None,
-           sample_numel: int, within_node: bool, statistics_wire: torch.dtype, gradient_numel: int = 0
+           sample_numel: int, within_node: bool, statistics_wire: StatisticsWire, gradient_numel: int = 0
            ) -> WireSizes:
         param_bytes = sum(v.numel() * 4 for v in initial.values())
         numels = {k: v.numel() for k, v in initial.items()}

@@ -22,9 +22,10 @@ says which). What crosses the network, per round:
   pseudo-gradient's ring shards, each with 4 flag bytes (the first half in flight during the delay, the
   reduced shards sent back at the landing), or (top-k) its payload plus 4 flag bytes, all-gathered. A node
   that failed or left the round sends zeros and 0;
-- per trainer, the batch test's sums within the same group: the vectors (`NodeGradientSums.vectors`: the
-  b-weighted gradient sum, plus the plain sum for the nodes estimator, plus the batch; in the wire dtype
-  of statistics_comm, of sketch dimension with the count sketch), then 7 fp64 scalars; the trainer's
+- per trainer, the batch test's sums within the same group (algorithms/calc_batch.py, StatisticsWire): one
+  vector (`NodeGradientSums.vectors`: the b-weighted gradient sum and the batch, fp32 by default; the
+  fp64 reference adds the plain sum for the nodes estimator; of sketch dimension with the count sketch),
+  then 6 fp64 scalars (7 in the reference) measured against the trainer's mean; the trainer's
   first node shares the resulting scalars with every rank (they take the same decision);
 - `transfer`: a node that starts a round from a state it does not hold receives it from a process that
   holds it (send/recv: exactly the trainer's `transfer_bytes`); merges bring the absorbed trainers'
@@ -43,7 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from algorithms.calc_batch import NodeGradientSums
+from algorithms.calc_batch import REFERENCE_WIRE, NodeGradientSums, StatisticsWire
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan
 from distributed.liveness import Liveness, collective_failed
@@ -60,7 +61,7 @@ class DistributedBackend:
 
     def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
                  grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
-                 master_device: str = "cpu", statistics_wire: torch.dtype = torch.float64,
+                 master_device: str = "cpu", statistics_wire: StatisticsWire = REFERENCE_WIRE,
                  sync: OuterSync | None = None, streaming: StreamingPlan | None = None,
                  by_tokens: bool = False) -> None:
         self.nodes, self.rank = nodes, rank
@@ -259,26 +260,23 @@ class DistributedBackend:
         return (None if abandoned else outcome), abandoned, errors.get(job.trainer_id, "")
 
     def _statistics(self, outcome: NodeResult | None, members: tuple[int, ...]):
-        """The trainer's batch-test statistics: the nodes' vectors all-reduced in the wire dtype, then their
-        fp64 scalars (with each node's inner sum, which needs the trainer's mean first)."""
+        """The trainer's batch-test statistics: the nodes' vectors all-reduced in the wire dtype, then the fp64
+        scalars each node measures against the trainer's mean (StatisticsWire)."""
+        wire = self.statistics_wire
         have = outcome is not None and outcome.grad_samples is not None
         if have:
-            samples = outcome.grad_samples.double()  # once: both passes read fp64
-            share = NodeGradientSums.of(samples, outcome.sample_batches, self.within_node)
-            vectors = share.vectors(self.statistics_wire)
+            share = NodeGradientSums.of(outcome.grad_samples, outcome.sample_batches, self.within_node, wire)
+            vectors = share.vectors()
         else:  # this node failed: it adds nothing, but takes part in its group's reductions
-            size = NodeGradientSums.vectors_size(self.grad_numel, self.within_node)
-            vectors = torch.zeros(size, dtype=self.statistics_wire, device=self.comm_device)
+            size = wire.vectors_size(self.grad_numel, self.within_node)
+            vectors = torch.zeros(size, dtype=wire.dtype, device=self.comm_device)
         if len(members) > 1:
             vectors = self._all_reduce(vectors, members, "statistics")
-        mean = NodeGradientSums.reduced_mean(vectors, self.within_node)
-        scalars = (share.scalars(share.inner_sum(samples, outcome.sample_batches, mean.to(samples.device),
-                                                 self.within_node))
-                   if have else torch.zeros(NodeGradientSums.SCALARS, dtype=torch.float64))
+        mean = wire.reduced_mean(vectors, self.within_node)
+        scalars = share.scalars(mean) if have else torch.zeros(wire.scalars_size, dtype=torch.float64)
         if len(members) > 1:
-            scalars = self._all_reduce(scalars, members, "statistics")
-        total, inner = NodeGradientSums.from_reduced(vectors, scalars.cpu(), self.within_node)
-        return total.statistics(inner, self.within_node)
+            scalars = self._all_reduce(scalars.to(self.comm_device), members, "statistics")
+        return wire.statistics(vectors.cpu(), scalars.cpu(), self.within_node)
 
     # -------------------------------------------------------------------------------------------
     def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",

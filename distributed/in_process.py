@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from algorithms.calc_batch import REFERENCE_WIRE, StatisticsWire
 from algorithms.outer_sync import OuterSync, flatten
 from algorithms.streaming import StreamingPlan
 from distributed.streamed import LEFT, streamed_round
@@ -28,7 +29,7 @@ class RoundBackend:
     """
 
     def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu",
-                 sync: OuterSync | None = None, statistics_wire: torch.dtype = torch.float64,
+                 sync: OuterSync | None = None, statistics_wire: StatisticsWire = REFERENCE_WIRE,
                  streaming: StreamingPlan | None = None, by_tokens: bool = False) -> None:
         self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
         self.by_tokens = by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens

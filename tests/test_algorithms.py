@@ -8,12 +8,15 @@ import torch
 
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.calc_batch import (
+    REFERENCE_WIRE,
+    STATISTICS_WIRE,
     AugmentedInnerProductTest,
     ConstantBatch,
     GradientSamples,
     LinearRampup,
     NodeGradientSums,
     NormTest,
+    StatisticsWire,
     build_batch_test,
     statistics_of,
     statistics_payload_bytes,
@@ -32,17 +35,14 @@ def S(grads, batch=1.0, groups=None) -> GradientSamples:  # noqa: N802 - reads l
     return GradientSamples(g, b, torch.as_tensor(groups if groups is not None else [0] * g.shape[0]))
 
 
-def node_shares(grads, sizes, nodes, within_node):
+def node_shares(grads, sizes, nodes, within_node, wire=REFERENCE_WIRE):
     """A trainer's statistics as nodes would build them: each its own sums, then a sum (the all-reduce)."""
     ids = nodes.unique().tolist()
-    shares = {n: NodeGradientSums.of(grads[nodes == n], sizes[nodes == n], within_node) for n in ids}
-    vectors = functools.reduce(operator.add, (share.vectors() for share in shares.values()))
-    mean = NodeGradientSums.reduced_mean(vectors, within_node)
-    scalars = functools.reduce(operator.add, (share.scalars(share.inner_sum(grads[nodes == n], sizes[nodes == n],
-                                                                            mean, within_node))
-                                              for n, share in shares.items()))
-    total, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
-    return total.statistics(inner, within_node)
+    shares = [NodeGradientSums.of(grads[nodes == n], sizes[nodes == n], within_node, wire) for n in ids]
+    vectors = functools.reduce(operator.add, (share.vectors() for share in shares))
+    mean = wire.reduced_mean(vectors, within_node)
+    scalars = functools.reduce(operator.add, (share.scalars(mean) for share in shares))
+    return wire.statistics(vectors, scalars, within_node)
 
 
 @pytest.mark.parametrize("within_node", [True, False])
@@ -62,23 +62,88 @@ def test_node_sums_give_the_same_statistics_as_the_samples(within_node):
 
 
 @pytest.mark.parametrize("within_node", [True, False])
-@pytest.mark.parametrize("wire", [torch.float64, torch.float32])
-def test_node_sums_travel_as_vectors_then_scalars(within_node, wire):
-    share = NodeGradientSums.of(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([1.0, 3.0]), within_node)
-    vectors, scalars = share.vectors(wire), share.scalars(inner=5.0)
-    # the micro_batches estimator measures deviations on the node: no plain sum travels
-    assert vectors.dtype == wire and vectors.shape == ((1 if within_node else 2) * 2 + 1,)
-    assert vectors.numel() == NodeGradientSums.vectors_size(2, within_node)
-    assert scalars.dtype == torch.float64 and scalars.numel() == NodeGradientSums.SCALARS
-    assert statistics_payload_bytes(2, within_node, wire) == vectors.numel() * vectors.element_size() + 7 * 8
-    back, inner = NodeGradientSums.from_reduced(vectors, scalars, within_node)
-    assert inner == 5.0 and (share.plain_sum is None) == within_node
+@pytest.mark.parametrize("mode", ["minimal", "fp64", "fp32"])
+def test_node_sums_travel_as_vectors_then_scalars(within_node, mode):
+    wire = STATISTICS_WIRE[mode]
+    share = NodeGradientSums.of(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([1.0, 3.0]), within_node, wire)
+    vectors = share.vectors()
+    # only the fp64 reference's nodes estimator sends the plain sum as a second vector
+    two = wire.two_vectors and not within_node
+    assert vectors.dtype == wire.dtype and vectors.shape == ((2 if two else 1) * 2 + 1,)
+    assert vectors.numel() == wire.vectors_size(2, within_node)
     # 1*[1, 2] + 3*[3, 4] = [10, 14]; batch 4; every value is exact in fp32 too
-    assert back.weighted_sum.tolist() == [10.0, 14.0] and back.batch == 4.0
+    assert vectors[:2].tolist() == [10.0, 14.0] and vectors[-1] == 4.0
     expected_mean = torch.tensor([2.5, 3.5], dtype=torch.float64)
-    assert torch.equal(NodeGradientSums.reduced_mean(vectors, within_node), expected_mean)
-    assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(vars(back).values(),
-                                                                                   vars(share).values()))
+    assert torch.equal(wire.reduced_mean(vectors, within_node), expected_mean)
+    scalars = share.scalars(expected_mean)
+    assert scalars.dtype == torch.float64 and scalars.numel() == wire.scalars_size == (7 if wire.two_vectors else 6)
+    element = 8 if mode == "fp64" else 4
+    assert statistics_payload_bytes(2, within_node, wire) == vectors.numel() * element + scalars.numel() * 8
+    # by hand, one node, mean m = (2.5, 3.5) (also the node's own mean): d = (-1.5, -1.5), (0.5, 0.5);
+    # sum b ||d||^2 = 1 * 4.5 + 3 * 0.5 = 6, sum ||d||^2 = 5; <d, m> = -9, 3: sum b <d, m>^2 = 81 + 27 = 108;
+    # sum b <g, m> = 1 * 9.5 + 3 * 21.5 = 74 = B ||m||^2 (4 * 18.5)
+    stats = wire.statistics(vectors, scalars, within_node)
+    got = (stats.sq_norm, stats.weighted_dev, stats.plain_dev, stats.inner, stats.ortho_dev)
+    assert got == pytest.approx((18.5, 6.0, 5.0, 108.0, 6.0 - 108.0 / 18.5), rel=1e-14) and stats.dof == 1
+
+
+def test_minimal_wire_recovers_the_exact_squared_norm_from_an_fp32_mean():
+    """<m*, m> travels in fp64, so ||m*||^2 = 2 <m*, m> - ||m||^2 up to the square of the fp32 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    grads = torch.randn(6, 3000, generator=gen, dtype=torch.float64) * 0.01 + 1.0 / 3
+    sizes = torch.tensor([1.0, 2, 3, 1, 2, 4], dtype=torch.float64)
+    nodes = torch.tensor([0, 0, 1, 1, 2, 2])
+    exact = node_shares(grads, sizes, nodes, False)
+    minimal = node_shares(grads, sizes, nodes, False, STATISTICS_WIRE["minimal"])
+    fp32_mean = STATISTICS_WIRE["minimal"].reduced_mean(
+        functools.reduce(operator.add, (NodeGradientSums.of(grads[nodes == n], sizes[nodes == n], False,
+                                                            STATISTICS_WIRE["minimal"]).vectors() for n in range(3))),
+        False)
+    naive = float(fp32_mean @ fp32_mean)
+    assert abs(naive - exact.sq_norm) > 1e-10 * exact.sq_norm  # the fp32 mean alone is off ...
+    assert minimal.sq_norm == pytest.approx(exact.sq_norm, rel=1e-12)  # ... the fp64 scalar puts it right
+    for field in ("weighted_dev", "plain_dev", "inner", "ortho_dev"):
+        assert getattr(minimal, field) == pytest.approx(getattr(exact, field), rel=1e-6), field
+
+
+@pytest.mark.parametrize("within_node", [True, False])
+def test_minimal_statistics_decide_as_the_fp64_two_vector_protocol_on_random_cases(within_node):
+    """300 random trainers (1-4 nodes, 1-4 samples each, equal or unequal batches, means of every size against
+    the noise): the default wire's decisions equal the exact reference's, for the norm test and the AIPT."""
+    gen = torch.Generator().manual_seed(11)
+    tests = [NormTest(eta=0.3), NormTest(eta=0.8), AugmentedInnerProductTest(vartheta=0.05, nu=0.3)]
+    decided = 0
+    for case in range(300):
+        n_nodes = int(torch.randint(1, 5, (1,), generator=gen))
+        per_node = [int(torch.randint(1, 5, (1,), generator=gen)) for _ in range(n_nodes)]
+        equal = case % 2 == 0
+        sizes = torch.cat([torch.full((k,), 4.0) if equal else torch.randint(1, 9, (k,), generator=gen).double()
+                           for k in per_node])
+        nodes = torch.cat([torch.full((k,), n) for n, k in enumerate(per_node)])
+        scale = 10 ** float(torch.empty(1).uniform_(-2, 1, generator=gen))
+        grads = torch.randn(len(sizes), 257, generator=gen, dtype=torch.float64) / sizes.sqrt()[:, None]
+        grads = grads + scale * torch.randn(257, generator=gen, dtype=torch.float64) + 0.1 * nodes[:, None]
+        grads = grads.float()  # nodes hold fp32 gradients
+        reference = node_shares(grads, sizes, nodes, within_node)
+        minimal = node_shares(grads, sizes, nodes, within_node, STATISTICS_WIRE["minimal"])
+        for test in tests:
+            expected, got = test(reference, 2, n_nodes), test(minimal, 2, n_nodes)
+            assert got.requested_batch == expected.requested_batch, (case, test.name)
+            assert got.stats.get("test_requested_batch") == expected.stats.get("test_requested_batch")
+            decided += "T_k" in expected.stats and expected.requested_batch > 2
+    assert decided > 100  # most cases grow the batch: the equality is not one of "keep the batch"
+
+
+def test_minimal_statistics_bytes_are_the_weights_bytes_plus_a_few_scalars():
+    """The acceptance bound: one node's statistics payload is at most 1.1x its fp32 weights all-reduce
+    payload, for both estimators; the fp64 reference is 2x (micro_batches) and 4x (nodes)."""
+    numel = 1_793_664  # microllama-tiny
+    for within_node in (True, False):
+        minimal = statistics_payload_bytes(numel, within_node, STATISTICS_WIRE["minimal"])
+        assert minimal == 4 * (numel + 1) + 6 * 8 <= 1.1 * 4 * numel
+        reference = statistics_payload_bytes(numel, within_node, REFERENCE_WIRE)
+        assert reference == 8 * (numel * (1 if within_node else 2) + 1) + 7 * 8
+    assert StatisticsWire().dtype == torch.float32 and not StatisticsWire().two_vectors
 
 
 @pytest.mark.parametrize("within_node", [True, False])
@@ -91,6 +156,7 @@ def test_trainer_statistics_in_one_process_equal_the_samples(within_node):
     groups = torch.cat([torch.full((len(b),), n) for n, (_, b) in enumerate(parts)])
     direct = statistics_of(GradientSamples(grads, sizes, groups if within_node else torch.zeros_like(groups)))
     got = trainer_statistics(parts, within_node)
+    assert trainer_statistics(parts, within_node, STATISTICS_WIRE['minimal']).dof == direct.dof
     assert got.dof == direct.dof
     for field in ("sq_norm", "weighted_dev", "plain_dev", "inner", "ortho_dev"):
         assert getattr(got, field) == pytest.approx(getattr(direct, field), rel=1e-9), field

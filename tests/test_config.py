@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from utils.config import TABLE_END, TABLE_START, Config, load_config, markdown_table
+from utils.config import TABLE_END, TABLE_START, Config, load_config, load_run_config, markdown_table
 from utils.errors import ConfigError
 
 
@@ -202,8 +202,13 @@ def test_a_run_from_the_first_checkpoint_format_stays_resumable():
     """A key that changes the numbers and is not marked added_later (or resume) enters the config hash of every
     older run with its default, so their checkpoints stop being resumable: this hash would change."""
     assert load_config(FIRST_RELEASE).meaning_hash() == FIRST_RELEASE_HASH
-    # the checkpoints those versions wrote are still taken
-    assert load_config(FIRST_RELEASE).meaning_hashes() == (FIRST_RELEASE_HASH, LEGACY_HASH)
+    # its run directory is read as it ran (fp64 statistics, before statistics_comm existed), and the
+    # checkpoints those versions wrote are still taken
+    as_run = load_run_config(FIRST_RELEASE)
+    assert as_run.statistics_comm == "fp64" and load_config(FIRST_RELEASE).statistics_comm == "minimal"
+    assert as_run.meaning_hashes()[1:] == (FIRST_RELEASE_HASH, LEGACY_HASH)
+    # a run written with the minimal statistics has no hash of an older version's
+    assert FIRST_RELEASE_HASH not in load_config(FIRST_RELEASE).meaning_hashes()[1:]
 
 
 def test_the_first_release_hash_catches_a_new_key_without_its_marks():

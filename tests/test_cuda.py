@@ -109,24 +109,25 @@ def test_fused_adamw_matches_the_reference_adamw(tiny_config):
 
 @pytest.mark.parametrize("within_node", [True, False])
 def test_batch_statistics_on_the_device_equal_the_cpu_ones(within_node):
-    from algorithms.calc_batch import NodeGradientSums
+    from algorithms.calc_batch import STATISTICS_WIRE, NodeGradientSums
 
     gen = torch.Generator().manual_seed(3)
     grads = torch.randn(6, 5000, generator=gen, dtype=torch.float64)
     sizes = torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0, 4.0], dtype=torch.float64)
-    on_cpu = NodeGradientSums.of(grads, sizes, within_node)
-    on_gpu = NodeGradientSums.of(grads.cuda(), sizes.cuda(), within_node)
-    cpu_buffer, gpu_buffer = on_cpu.vectors(), on_gpu.vectors()
-    assert gpu_buffer.is_cuda
-    torch.testing.assert_close(gpu_buffer.cpu(), cpu_buffer, rtol=1e-6, atol=1e-9)
-    mean = on_cpu.weighted_sum / on_cpu.batch
-    inner_cpu = on_cpu.inner_sum(grads, sizes, mean, within_node)
-    inner_gpu = on_gpu.inner_sum(grads.cuda(), sizes.cuda(), mean.cuda(), within_node)
-    assert float(inner_gpu) == pytest.approx(float(inner_cpu), rel=1e-6)
-    a, b = on_cpu.statistics(float(inner_cpu), within_node), on_gpu.statistics(float(inner_gpu), within_node)
-    for key, value in vars(a).items():
-        if isinstance(value, float):
-            assert getattr(b, key) == pytest.approx(value, rel=1e-6), key
+    for wire in STATISTICS_WIRE.values():
+        on_cpu = NodeGradientSums.of(grads, sizes, within_node, wire)
+        on_gpu = NodeGradientSums.of(grads.cuda(), sizes.cuda(), within_node, wire)
+        cpu_buffer, gpu_buffer = on_cpu.vectors(), on_gpu.vectors()
+        assert gpu_buffer.is_cuda
+        torch.testing.assert_close(gpu_buffer.cpu(), cpu_buffer, rtol=1e-6, atol=1e-9)
+        mean = wire.reduced_mean(cpu_buffer, within_node)
+        scalars_cpu, scalars_gpu = on_cpu.scalars(mean), on_gpu.scalars(mean.cuda())
+        torch.testing.assert_close(scalars_gpu.cpu(), scalars_cpu, rtol=1e-6, atol=1e-9)
+        a = wire.statistics(cpu_buffer, scalars_cpu, within_node)
+        b = wire.statistics(gpu_buffer.cpu(), scalars_gpu.cpu(), within_node)
+        for key, value in vars(a).items():
+            if isinstance(value, float):
+                assert getattr(b, key) == pytest.approx(value, rel=1e-6), key
 
 
 def test_the_cuda_probe_stays_within_its_budget_and_leaves_nothing(tiny_config, monkeypatch):

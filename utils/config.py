@@ -207,10 +207,13 @@ class Config:
                           "only_gradient_accumulation, only_data_loader.",
                           choices=("threshold_switch_mode", "only_gradient_accumulation", "only_data_loader"))
     section("communication")
-    statistics_comm: str = _f("fp64", "How the batch tests' statistics travel: fp64 (exact; the reference), fp32 (the "
-                              "vectors in fp32, the scalars fp64) or sketch (each node count-sketches its gradient "
-                              "samples to statistics_sketch_dim numbers first; estimates with relative error about "
-                              "sqrt(2/k)).", choices=("fp64", "fp32", "sketch"), added_later=True)
+    statistics_comm: str = _f("minimal", "How the batch tests' statistics travel: minimal (one fp32 vector and 6 fp64 "
+                              "scalars per node: the fp64 decisions at the weights' bytes; docs/mechanisms.md), fp64 "
+                              "(the exact two-vector reference every result before 2026-11-25 used), fp32 (that "
+                              "reference's vectors in fp32; superseded by minimal) or sketch (each node count-sketches "
+                              "its gradient samples to statistics_sketch_dim numbers first; estimates with relative "
+                              "error about sqrt(2/k)).", choices=("minimal", "fp64", "fp32", "sketch"),
+                              added_later=True)
     statistics_sketch_dim: int = _f(16384, "statistics_comm sketch: the sketch dimension k (every node builds the same "
                                     "seeded count sketch).", min=1, added_later=True)
     outer_compression: str = _f("none", "What each node's pseudo-gradient (trainer weights minus its own) becomes "
@@ -354,17 +357,19 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def meaning(self, legacy: bool = False) -> dict[str, Any]:
+    def meaning(self, legacy: bool = False, before_minimal: bool = False) -> dict[str, Any]:
         """The settings that decide a run's numbers: every key but those marked resume (max_tokens does
         decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too).
         legacy: as versions before 2026-11-24 computed it, counting a list-valued key marked added_later
-        (node_schedule) even at its default."""
+        (node_schedule) even at its default. before_minimal: as versions before 2026-11-25 computed it, when
+        statistics_comm's default was fp64."""
         fields = {f.name: f for f in dataclasses.fields(self)}
+        old_defaults = {"statistics_comm": "fp64"} if before_minimal else {}
 
         def at_default(f: dataclasses.Field, value: Any) -> bool:
             if f.default_factory is not dataclasses.MISSING:
                 return not legacy and value == f.default_factory()
-            return value == f.default
+            return value == old_defaults.get(f.name, f.default)
 
         # keys added after checkpoints were written count only when set: those checkpoints stay resumable
         meaning = {k: v for k, v in self.to_dict().items() if not fields[k].metadata["resume"]
@@ -375,14 +380,18 @@ class Config:
             meaning["fragment_alpha_weighs"] = self.fragment_alpha_weighs
         return meaning
 
-    def meaning_hash(self, legacy: bool = False) -> str:
+    def meaning_hash(self, legacy: bool = False, before_minimal: bool = False) -> str:
         """A checkpoint is resumable under a config with the same hash."""
-        return hashlib.sha256(json.dumps(self.meaning(legacy), sort_keys=True).encode()).hexdigest()[:16]
+        meaning = self.meaning(legacy, before_minimal)
+        return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()[:16]
 
     def meaning_hashes(self) -> tuple[str, ...]:
-        """The hashes a resumable checkpoint of this config may carry: today's, then the one versions before
-        2026-11-24 wrote (which counted node_schedule at its default: their checkpoints stay resumable)."""
-        return tuple(dict.fromkeys((self.meaning_hash(), self.meaning_hash(legacy=True))))
+        """The hashes a resumable checkpoint of this config may carry: today's, then those older versions wrote:
+        before 2026-11-25 (statistics_comm's default was fp64) and before 2026-11-24 (node_schedule counted at its
+        default too), so their checkpoints stay resumable."""
+        hashes = (self.meaning_hash(), self.meaning_hash(before_minimal=True),
+                  self.meaning_hash(legacy=True, before_minimal=True))
+        return tuple(dict.fromkeys(hashes))
 
 
 FAULT_KINDS = ("nan", "error", "hang")
@@ -790,7 +799,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None, *, resuming: bool = False) -> Config:
-    """A run directory's config.yaml, read in today's meaning of fragment_alpha.
+    """A run directory's config.yaml, read in today's meaning of fragment_alpha and statistics_comm.
 
     One written before 2026-11-24 (it names fragment_alpha but not fragment_alpha_weighs) meant by fragment_alpha
     the weight of the global copy. Without streaming that value did nothing: it reads as 0 (take the global
@@ -798,6 +807,8 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None, *, res
     benchmark) gets 1 - alpha, the same mix in today's terms."""
     cfg = load_config(path, overrides)
     raw = yaml.safe_load(Path(path).read_text()) or {}
+    if "statistics_comm" not in raw and not any(o.startswith("statistics_comm=") for o in overrides or []):
+        cfg = cfg.replace(statistics_comm="fp64")  # written before the key: the run sent the fp64 reference
     if "fragment_alpha" not in raw or "fragment_alpha_weighs" in raw:
         return cfg
     old = float(raw["fragment_alpha"])
