@@ -78,8 +78,11 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     merges = [r for r in read_csv(out / "merges.csv") if r["variant"] == "adloco"]
     assert len(merges) == int(float(table["adloco"]["merges"])) and all(len(m["metric_before"].split()) == 2
                                                                        for m in merges)
+    per_seed = read_csv(out / "runs.csv")  # one row per variant and seed, with its value at the token budget
+    assert sorted((r["variant"], r["seed"]) for r in per_seed) == sorted((v, "0") for v in table)
+    assert all(r["reached_budget"] == "True" and float(r["tokens"]) >= 3000 for r in per_seed)
     report = (out / "comparison.md").read_text()
-    for heading in ("## Final models", "## To the target", "matched budget of 3000 tokens", "rounds (outer steps)",
+    for heading in ("## Final models", "## To the target", "## Per seed, paired", "matched budget of 3000 tokens", "rounds (outer steps)",
                     "syncs (cross-node", "bytes communicated", "## Merges"):
         assert heading in report, heading
     for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
@@ -441,3 +444,65 @@ def test_a_bad_override_of_a_variant_from_the_command_line_is_refused_before_any
         compare_main(["--config", str(ROOT / "config.yaml"), "--out", str(tmp_path), "--variants", "adloco",
                       "--add_variant", "mine=adloco_paper:ETA=banana"])
     assert not (tmp_path / "runs" / "adloco_seed0").exists()
+
+
+def test_the_paper_ablations_are_the_paper_variant_with_one_component_off():
+    from benchmarks.compare.variants import PAPER, catalogue, select
+
+    known = catalogue(load_config(ROOT / "configs" / "compare_cpu.yaml"), [1, 2, 4, 8, 16], 0.3)
+    assert known["adloco_paper_no_adaptive"].overrides == (*PAPER, "sampling_method=constant")
+    assert known["adloco_paper_no_merge"].overrides == (*PAPER, "merge_frequency=0")
+    assert known["adloco_paper_no_switch"].overrides == (*PAPER, "switch_mode=only_gradient_accumulation")
+    paper = select(known, "paper", "1,2,4,8,16", False)
+    assert set(paper) == {"adloco_paper", "adloco_paper_no_adaptive", "adloco_paper_no_merge",
+                          "adloco_paper_no_switch", "diloco_b1", "diloco_b2", "diloco_b4", "diloco_b8", "diloco_b16"}
+    assert not set(select(known, "all", "1,2,4,8,16", False)) & {"adloco_paper_no_merge"}  # all: as before
+
+
+def fake_run(tmp_path, name, seed, start, points):
+    """A finished run as read_run gives it: (tokens, steps, sim_time, perplexity) per outer step."""
+    run_dir = tmp_path / f"{name}_seed{seed}"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"initial_batch_size": start, "num_inner_steps": 10}))
+    curve = [{"tokens": t, "steps": s, "sim_time": c, "metric": m, "rounds": s // 10, "bytes": 100 * s,
+              "weights_bytes": 60 * s, "statistics_bytes": 40 * s} for t, s, c, m in points]
+    return {"run_dir": run_dir, "curve": curve, "final": points[-1][3], "best_seen": min(p[3] for p in points),
+            "requested_batches": [start, 2 * start], "merges": [{}] * seed, "family": name.split("_")[0]}
+
+
+def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_path):
+    from benchmarks.compare import seeds
+
+    # paired t interval by hand: differences 1, 2, 3: mean 2, sd 1, half width 4.303 / sqrt(3)
+    mean, low, high = seeds.paired_interval([1.0, 2.0, 3.0])
+    assert (mean, low, high) == pytest.approx((2.0, 2 - 4.303 / 3 ** 0.5, 2 + 4.303 / 3 ** 0.5))
+    assert seeds.paired_interval([5.0])[0] == 5.0
+    # DiLoCo at the starting batch 2 reaches 400 / 200 / 100 at 1/4, 1/2, all of 4000 tokens (seed 1 worse: 440, ...)
+    results = {
+        "adloco": [fake_run(tmp_path, "adloco", s, 2, [(1000, 10, 1.0, 300 + s), (2000, 20, 2.0, 150 + s),
+                                                        (4000, 30, 3.0, 90 + s)]) for s in (0, 1)],
+        "diloco_b2": [fake_run(tmp_path, "diloco_b2", s, 2, [(1000, 10, 1.0, 400 * (1 + s / 10)),
+                                                              (2000, 20, 4.0, 200 * (1 + s / 10)),
+                                                              (4000, 40, 8.0, 100 * (1 + s / 10))]) for s in (0, 1)],
+        "adloco_paper": [fake_run(tmp_path, "adloco_paper", s, 1, [(4000, 40, 4.0, 500)]) for s in (0, 1)]}
+    targets = seeds.paper_targets(results["diloco_b2"], 4000, higher=False)
+    assert targets == pytest.approx({"early": 440.0, "middle": 220.0, "late": 110.0})  # every seed reached them
+    lines = seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path)
+    rows = read_csv(tmp_path / "runs.csv")
+    assert [(r["variant"], r["seed"]) for r in rows] == [(v, str(s)) for v in results for s in (0, 1)]
+    first = rows[0]  # adloco seed 0: reaches 440 at its first point, 220 at its second, 110 at its third
+    assert (first["steps_to_early"], first["steps_to_middle"], first["steps_to_late"]) == ("10", "20", "30")
+    assert first["at_budget"] == "90" and first["reached_budget"] == "True" and first["bytes_needed"] == "3000"
+    assert rows[2]["sim_time_to_late"] == "8.0" and rows[3]["steps_to_late"] == "40"  # 110 = seed 1's own value
+    # paired: adloco against diloco_b2 at the budget: 90 - 100 and 91 - 110, mean -14.5, sd 6.36
+    paired = {r["variant"]: r for r in seeds.paired_rows(seeds.run_rows(results, 4000, targets, False), "diloco_b2")}
+    assert paired["adloco"]["mean_difference"] == pytest.approx(-14.5)
+    assert paired["adloco"]["ci95_high"] == pytest.approx(-14.5 + 12.706 * 4.5 * 2 ** 0.5 / 2 ** 0.5)
+    assert paired["adloco"]["interval_contains_0"]  # two seeds establish nothing here
+    # the paper's comparison: adloco's steps over DiLoCo's, seed by seed (10/10, 20/20, 30/40); its sim time 3/8
+    paper = {r["variant"]: r for r in seeds.paper_rows(seeds.run_rows(results, 4000, targets, False), results)}
+    assert (paper["adloco"]["steps_early"], paper["adloco"]["steps_late"]) == (1.0, 0.75)
+    assert paper["adloco"]["sim_time_late"] == pytest.approx(3 / 8)
+    assert paper["adloco_paper"]["vs"] == "diloco_b1 (not in this report)"  # it starts at batch 1
+    text = "\n".join(lines)
+    assert "## The paper's comparison" in text and "H = 10 inner steps" in text and "| adloco | diloco_b2 |" in text

@@ -20,6 +20,11 @@ overrides of the base config:
   adloco_no_switch    switch_mode: only_data_loader (never accumulate)
   adloco_paper        AdLoCo as the paper runs it where our default departs: variance_estimator nodes (one
                       gradient per node), ETA 0.8, initial_batch_size 1, merge_frequency 3
+  adloco_paper_no_adaptive, adloco_paper_no_merge, adloco_paper_no_switch
+                      the paper's three ablations (section 6.3) of adloco_paper: sampling_method constant
+                      (its starting batch), merge_frequency 0, switch_mode only_gradient_accumulation
+                      (accumulate as soon as the request exceeds max_batch: what section 4.2 says switch mode
+                      replaces, and what the authors' code runs while several trainers are alive)
   diloco_bB           one trainer on all nodes, constant batch B (--diloco_batches, default 2,4,8,16),
                       run as it really is: loader batch x accumulation (only_gradient_accumulation)
   diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
@@ -51,8 +56,10 @@ Warm start (two phases): `--pretrain_config CFG` trains one shared start with ru
 starts every variant from that Hugging Face directory (model_weights/final/final_model, with its
 tokenizer) on the --config data.
 
-Outputs in --out: comparison.md (every table), comparison.csv (one row per variant), budgets.csv (the
-metric at matched budgets), merges.csv (every merge of every run) and plots of the metric against
+Outputs in --out: comparison.md (every table), comparison.csv (one row per variant), runs.csv (one row per
+variant and seed: the metric at the token budget, final, best seen, steps / tokens / simulated time to the
+paper's three targets, bytes and their parts, largest requested batch, merges), budgets.csv (the metric at
+matched budgets), merges.csv (every merge of every run) and plots of the metric against
 rounds, syncs, bytes, tokens and wall time. Reported per run: the real final model (summary.json's
 final_metric, the model in model_weights/final) and, separately, the best metric seen during the run.
 
@@ -127,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_outer_steps", type=int, default=200,
                    help="upper bound on outer steps per run: a run stops at the budget or here, whichever is first")
     p.add_argument("--variants", default="all", help="comma-separated subset of the variants; all (the comparison "
-                   "without the communication variants) or communication (adloco, the middle diloco_bB and the "
-                   "compressed / sketched variants)")
+                   "without the communication variants), paper (adloco_paper, its three ablations and the diloco_bB "
+                   "sweep) or communication (adloco, the middle diloco_bB and the compressed / sketched variants)")
     p.add_argument("--diloco_batches", default="2,4,8,16", help="constant batches of the DiLoCo baselines")
     p.add_argument("--target", type=float, default=0.0,
                    help="target metric; 0 = the final mean of DiLoCo at the initial batch")

@@ -8,7 +8,7 @@ import statistics
 from datetime import datetime
 from pathlib import Path
 
-from benchmarks.compare import batches
+from benchmarks.compare import batches, seeds
 from benchmarks.compare.options import Options
 from benchmarks.compare.pricing import clock_report, cluster_sections, network_report
 from benchmarks.compare.reader import first_reaching, value_at
@@ -146,7 +146,8 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
              "steps_vs_best_constant: against the constant batch (diloco_bB) that needs fewest (Merrill et al. "
              f"2025's measure for batch warmup). The sweep's {report['critical_batch']} (Zhang et al. 2025: steps "
              "within 20% of linear scaling).", "",
-             *table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"]), ""]
+             *table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"]), "",
+             *seeds.sections(results, metric, float(args.max_tokens), report["reference"], out)]
     for axis, label in AXES.items():
         rows = [r for r in report["budgets"] if r["axis"] == axis]
         if not rows:

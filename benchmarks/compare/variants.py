@@ -22,7 +22,8 @@ class Variant:
     name: str
     family: str  # one of FAMILIES: plots draw adloco solid, the rest dashed; crossover compares against diloco
     overrides: tuple[str, ...]
-    group: str = "core"  # core (in --variants all), communication (when named), cluster (with --cluster), custom
+    group: str = "core"  # core (in --variants all), paper (the paper's ablations: --variants paper or named),
+    # communication (when named), cluster (with --cluster), custom
     constant_batch: int = 0  # the constant-batch sweep (diloco_bB): its batch B
 
 
@@ -59,6 +60,12 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
               Variant("adloco_no_adaptive", "adloco", ("sampling_method=constant",)),
               Variant("adloco_no_merge", "adloco", ("merge_frequency=0",)),
               Variant("adloco_no_switch", "adloco", ("switch_mode=only_data_loader",))]
+    # the paper's three ablations (section 6.3) of the paper's own variant. Switch mode off is what section 4.2
+    # says it replaces, "gradient accumulation once the requested batch size exceeds max_batch", which is also what
+    # the authors' code runs while more than one trainer is alive (OnlyGradientAccumulationStrategy)
+    chosen += [Variant("adloco_paper_no_adaptive", "adloco", (*PAPER, "sampling_method=constant"), "paper"),
+               Variant("adloco_paper_no_merge", "adloco", (*PAPER, "merge_frequency=0"), "paper"),
+               Variant("adloco_paper_no_switch", "adloco", (*PAPER, "switch_mode=only_gradient_accumulation"), "paper")]
     diloco_at = {}
     for b in diloco_batches:
         diloco_at[b] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
@@ -106,10 +113,13 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
 
 
 def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, cluster: bool) -> dict[str, Variant]:
-    """--variants: all (the core comparison, with the cluster variants under --cluster), communication (adloco,
-    the middle diloco_bB and the communication variants), or names."""
+    """--variants: all (the core comparison, with the cluster variants under --cluster),
+    paper (adloco_paper, its three ablations and the diloco_bB sweep), communication (adloco, the middle diloco_bB and
+    the communication variants), or names."""
     if wanted == "all":
         return {k: v for k, v in catalogue.items() if v.group == "core" or (cluster and v.group == "cluster")}
+    if wanted == "paper":  # the paper's variant, its ablations and the constant-batch sweep (its DiLoCo included)
+        return {k: v for k, v in catalogue.items() if k == "adloco_paper" or v.group == "paper" or v.constant_batch}
     if wanted == "communication":
         batches = diloco_batches.split(",")
         middle = f"diloco_b{batches[len(batches) // 2]}"

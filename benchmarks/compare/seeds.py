@@ -1,0 +1,156 @@
+"""Per-seed results and paired statistics: runs.csv (one row per variant and seed), paired differences against a
+reference variant with 95% confidence intervals, and the paper's own comparison (steps and simulated time to three
+targets against DiLoCo at AdLoCo's starting batch).
+
+Pairing: every variant runs the same seeds, and in the embedded-corpus regimes the seed also picks the validation
+documents and the tokenizer, so seeds differ by an offset common to every variant; the per-seed difference removes
+it. The interval is the paired t interval: mean difference +- t(0.975, n - 1) x sd / sqrt(n).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+
+import yaml
+
+from benchmarks.compare.reader import first_reaching, value_at
+from benchmarks.compare.shared import table
+
+# Student's t, two-sided 95% (t at 0.975) by degrees of freedom; above 30, 30's (slightly conservative)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}
+# the paper's comparison: targets the starting-batch DiLoCo reaches at these shares of the token budget
+TARGET_SHARES = {"early": 0.25, "middle": 0.5, "late": 1.0}
+
+
+def paired_interval(differences: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of the paired t 95% interval; (mean, nan, nan) with fewer than two pairs."""
+    mean = statistics.mean(differences)
+    if len(differences) < 2:
+        return mean, math.nan, math.nan
+    half = T975[min(len(differences) - 1, 30)] * statistics.stdev(differences) / math.sqrt(len(differences))
+    return mean, mean - half, mean + half
+
+
+def starting_batch(run: dict) -> int:
+    config = yaml.safe_load((Path(run["run_dir"]) / "config.yaml").read_text()) or {}
+    return int(config.get("initial_batch_size", 1))
+
+
+def paper_targets(reference: list[dict], budget: float, higher: bool) -> dict[str, float]:
+    """Three targets along the run: the value every seed of the reference DiLoCo has reached at 1/4, 1/2 and all
+    of the token budget (its worst seed's value there), so the reference reaches each by then."""
+    worst = min if higher else max
+    return {label: worst(value_at(r["curve"], "tokens", share * budget, log_scale=not higher)[0] for r in reference)
+            for label, share in TARGET_SHARES.items()}
+
+
+def run_rows(results: dict[str, list[dict]], budget: float, targets: dict[str, float], higher: bool) -> list[dict]:
+    """runs.csv: one row per variant and seed."""
+    rows = []
+    for name, runs in results.items():
+        for seed, r in enumerate(runs):
+            at_budget, reached = value_at(r["curve"], "tokens", budget, log_scale=not higher)
+            last = r["curve"][-1]
+            row = {"variant": name, "seed": seed, "final": r["final"], "at_budget": at_budget,
+                   "reached_budget": reached, "best_seen": r["best_seen"], "tokens": last["tokens"],
+                   "steps": last["steps"], "rounds": last["rounds"], "sim_time_s": last["sim_time"]}
+            for label, target in targets.items():
+                for key in ("tokens", "steps", "sim_time"):
+                    row[f"{key}_to_{label}"] = first_reaching(r["curve"], target, key, higher)
+            row.update({"bytes_needed": last["bytes"], "weights_bytes": last["weights_bytes"],
+                        "statistics_bytes": last["statistics_bytes"], "starting_batch": starting_batch(r),
+                        "largest_requested_batch": max(r["requested_batches"]), "merges": len(r["merges"])})
+            rows.append(row)
+    return rows
+
+
+def paired_rows(rows: list[dict], reference: str, key: str = "at_budget") -> list[dict]:
+    """Each variant against the reference, seed by seed: mean difference, 95% interval, whether it contains 0."""
+    ref = {r["seed"]: r[key] for r in rows if r["variant"] == reference}
+    out = []
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        pairs = [(r[key], ref[r["seed"]]) for r in rows if r["variant"] == name and r["seed"] in ref]
+        if name == reference or len(pairs) < 2:
+            continue
+        mean, low, high = paired_interval([a - b for a, b in pairs])
+        out.append({"variant": name, "vs": reference, "pairs": len(pairs), "mean_difference": mean,
+                    "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high})
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def paper_rows(rows: list[dict], results: dict[str, list[dict]]) -> list[dict]:
+    """Each AdLoCo-family variant against DiLoCo at its own starting batch (diloco_bB in the same report): steps and
+    simulated time to each target, per seed paired, as a ratio (below 1: AdLoCo needs less)."""
+    out = []
+    for name, runs in results.items():
+        if runs[0]["family"] != "adloco":
+            continue
+        start = starting_batch(runs[0])
+        reference = f"diloco_b{start}"
+        if reference not in results:
+            out.append({"variant": name, "vs": f"{reference} (not in this report)",
+                        **{f"{k}_{t}": "-" for t in TARGET_SHARES for k in ("steps", "sim_time")}})
+            continue
+        mine = {r["seed"]: r for r in rows if r["variant"] == name}
+        theirs = {r["seed"]: r for r in rows if r["variant"] == reference}
+        row = {"variant": name, "vs": reference}
+        for label in TARGET_SHARES:
+            for key in ("steps", "sim_time"):
+                ratios = [_ratio(mine[s][f"{key}_to_{label}"], theirs[s][f"{key}_to_{label}"]) for s in mine
+                          if s in theirs]
+                got = [v for v in ratios if v is not None]
+                row[f"{key}_{label}"] = (statistics.mean(got) if len(got) == len(ratios) and got
+                                         else f"{len(got)}/{len(ratios)} seeds")
+        out.append(row)
+    return out
+
+
+def write_runs_csv(rows: list[dict], out: Path) -> Path:
+    path = out / "runs.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def sections(results: dict[str, list[dict]], metric: str, budget: float, reference: str, out: Path) -> list[str]:
+    """runs.csv, and comparison.md's sections: paired differences and the paper's comparison."""
+    higher = metric == "val_accuracy"
+    starts = {starting_batch(runs[0]) for runs in results.values() if runs[0]["family"] == "adloco"}
+    diloco_start = next((f"diloco_b{b}" for b in sorted(starts) if f"diloco_b{b}" in results), "")
+    targets = paper_targets(results[diloco_start], budget, higher) if diloco_start else {}
+    rows = run_rows(results, budget, targets, higher)
+    write_runs_csv(rows, out)
+    h = int(yaml.safe_load((Path(next(iter(results.values()))[0]["run_dir"]) / "config.yaml").read_text())
+            .get("num_inner_steps", 1))
+    lines = [f"## Per seed, paired (runs.csv: one row per variant and seed; {metric} at the token budget "
+             f"{budget:.6g})", "",
+             "Each variant's per-seed difference from the reference at matched tokens (`at_budget`, the value at "
+             "exactly the token budget, never a final that overshot it); paired t 95% interval (mean difference "
+             "+- t(0.975, n-1) sd / sqrt(n)); `interval_contains_0: True` marks a difference the seeds do not "
+             "establish.", ""]
+    if reference and any(r["variant"] == reference for r in rows):
+        lines += [*table(paired_rows(rows, reference), ["variant", "vs", "pairs", "mean_difference", "ci95_low",
+                                                        "ci95_high", "interval_contains_0"]), ""]
+    if targets:
+        lines += ["## The paper's comparison: AdLoCo against DiLoCo at its starting batch", "",
+                  f"Targets along the run: the {metric} every seed of {diloco_start} has reached at 1/4, 1/2 and all "
+                  "of the token budget (" + ", ".join(f"{k} {v:.4g}" for k, v in targets.items()) + "). Each cell: "
+                  "the mean over seeds of AdLoCo's optimizer steps (or simulated seconds, the run's own clock) to "
+                  "the target over DiLoCo's, seed by seed (below 1: AdLoCo needs less); k/n seeds: only k pairs "
+                  f"reached it. Granularity: one evaluation per outer step, so steps count in whole rounds of "
+                  f"H = {h} inner steps.", "",
+                  *table(paper_rows(rows, results), ["variant", "vs", *(f"{k}_{t}" for t in TARGET_SHARES
+                                                                        for k in ("steps", "sim_time"))]), ""]
+    return lines
