@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,7 @@ class RoundResult:
     learning_rate: float
     statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
     outer_error: str = ""  # streaming: a fragment's outer step failed (non-finite pseudo-gradient)
+    node_mid_round: dict[int, list] = field(default_factory=dict)  # eval_every_inner_steps: node -> (step, metrics)
 
 
 @dataclass
@@ -234,7 +235,7 @@ def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", w
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
             tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
             node_step_losses={r.node_id: r.step_losses for r in group},
-            learning_rate=group[0].learning_rate)
+            learning_rate=group[0].learning_rate, node_mid_round={r.node_id: r.mid_round for r in group if r.mid_round})
         samples = [(r.grad_samples, r.sample_batches) for r in group if r.grad_samples is not None]
         if samples:
             combined[trainer_id].statistics = trainer_statistics(samples, within_node, wire)

@@ -16,6 +16,7 @@ from algorithms.streaming import StreamingPlan
 from distributed.in_process import RoundBackend
 from distributed.protocol import Backend
 from fabrics.dataset_loader import CorpusData
+from fabrics.eval_tool import Evaluator
 from fabrics.models import replicate
 from rounds import wire_size
 from trainers import Node
@@ -105,6 +106,8 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
             replica = replicate(model, device) if mine else None  # other processes hold the other nodes
             node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile)
             node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event
+            if replica is not None and cfg.eval_every_inner_steps:  # mid-round evaluations of its own weights
+                node.evaluator = Evaluator(replica, data.val, cfg.eval_batch_size, device, precision)
             nodes.append(node)
     if local is not None and not (resume_state is not None or cfg.max_batch_size):
         import torch.distributed as dist

@@ -36,6 +36,7 @@ class RoundRecord:
     faults: list[dict] = dataclasses.field(default_factory=list)  # fault_events.csv
     step_losses: list[dict] | None = None  # step_losses.csv (None: the step failed before its round ended)
     node_times: list[dict] | None = None  # node_clock.csv (None: the step failed before the clock saw it)
+    inner_evals: list[dict] = dataclasses.field(default_factory=list)  # inner_eval.csv (eval_every_inner_steps)
     rows: list[dict] = dataclasses.field(default_factory=list)  # training_log.csv, one per trainer
 
 
@@ -109,7 +110,9 @@ class RoundDriver:
                                     reset_optimizer=restart or state.owner[node_id] != t,
                                     inject_fault=self.injected.get((outer_step, node_id), ""),
                                     keep_local=self.streaming and state.continues[node_id] == version,
-                                    sync_gradients=trainer.syncs_gradients))
+                                    sync_gradients=trainer.syncs_gradients,
+                                    # the paper's mid-round evaluations: the trainer's first node, its own weights
+                                    eval_every=self.cfg.eval_every_inner_steps if node_id == assignment[t][0] else 0))
                 tokens = float(self.tokens_per_sequence[indices.reshape(-1)].sum())
                 self.clock.work(t, NodeWork(node_id, tokens, loader_batch, accumulation,
                                             trainer.transfer_bytes() if moved else 0))
@@ -134,6 +137,19 @@ class RoundDriver:
             self.nodes[f.node_id].load_optimizer_state(before["optimizers"][f.node_id])
         log.warning("node fault at %s%s; its contribution is dropped (on_node_fault: skip)", where, more)
 
+    def _inner_evals(self, outer_step: int, jobs: list, results: dict) -> list[dict]:
+        """inner_eval.csv's rows: each mid-round evaluation, with the tokens every node had seen by that inner step
+        (all trainers, from the start of the run; a node that failed still counts what it was given)."""
+        rows = []
+        for t, res in sorted(results.items()):
+            for node, evaluations in sorted(res.node_mid_round.items()):
+                for inner_step, metrics in evaluations:
+                    seen = sum(float(self.tokens_per_sequence[j.sample_indices[:inner_step].reshape(-1)].sum())
+                               for j in jobs)
+                    rows.append({"outer_step": outer_step, "trainer_id": t, "node_id": node, "inner_step": inner_step,
+                                 "global_tokens": self.state.tokens_total + int(seen), **metrics})
+        return rows
+
     def run(self, outer_step: int) -> RoundRecord:
         """One round for every trainer, outer steps, evaluation, batch tests: the step's record."""
         self.record = record = RoundRecord(outer_step)
@@ -156,6 +172,7 @@ class RoundDriver:
              "micro_batch": plan[node][0], "accumulation_steps": plan[node][1], "learning_rate": res.learning_rate}
             for t, res in sorted(results.items()) for node, losses in sorted(res.node_step_losses.items())
             for i, loss in enumerate(losses)]
+        record.inner_evals = self._inner_evals(outer_step, jobs, results)
         self.state.traffic.rounds += 1
         self.state.tokens_total += sum(res.tokens for res in results.values())
         self._outer_steps(outer_step, results)

@@ -203,7 +203,7 @@ class DistributedBackend:
         fact = {"node_id": self.rank, "trainer_id": mine, "abandoned": abandoned,
                 "fault": None if good or abandoned or job is None else vars(outcome),
                 "losses": outcome.step_losses if good else None, "tokens": outcome.tokens if good else 0,
-                "lr": outcome.learning_rate if good else 0.0,
+                "lr": outcome.learning_rate if good else 0.0, "mid_round": outcome.mid_round if good else [],
                 "has_samples": good and outcome.grad_samples is not None}
         facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
@@ -351,7 +351,8 @@ def trainer_result(group: list[dict], node_mean, statistics, outer_error: str) -
         train_loss=sum(sum(f["losses"]) / len(f["losses"]) for f in group) / len(group),
         tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
         node_step_losses={f["node_id"]: f["losses"] for f in group},
-        learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error)
+        learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error,
+        node_mid_round={f["node_id"]: f["mid_round"] for f in group if f.get("mid_round")})
 
 
 def no_comm() -> dict:

@@ -7,6 +7,7 @@ and node replicas start from one initial state built once with the seed, as in t
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 
@@ -92,3 +93,36 @@ def replicate(model: torch.nn.Module, device: str) -> torch.nn.Module:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+OUTPUT_LAYERS = ("lm_head", "classifier")  # LlamaForCausalLM's, BertForSequenceClassification's
+
+
+def output_layer(model: torch.nn.Module) -> str:
+    """The name of the model's output layer (a Linear called lm_head or classifier)."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in OUTPUT_LAYERS and isinstance(module, torch.nn.Linear):
+            if tied and name.endswith("lm_head"):
+                raise UserError("need_to_reinit_output_layers: the model ties lm_head to its input embeddings, so "
+                                "re-initializing it would replace them too; use a model without tied embeddings")
+            return name
+    raise UserError(f"need_to_reinit_output_layers: the model has no Linear output layer named "
+                    f"{' or '.join(OUTPUT_LAYERS)}")
+
+
+def output_layer_seed(training_seed: int, trainer_id: int) -> int:
+    """Its own seed per trainer, apart from every other stream the seed drives (data order, shards)."""
+    return int.from_bytes(hashlib.sha256(f"output_layer/{training_seed}/{trainer_id}".encode()).digest()[:8], "big")
+
+
+@torch.no_grad()
+def reinit_output_layer(weights: dict[str, torch.Tensor], layer: str, seed: int) -> None:
+    """The authors' need_to_reinit_output_layers, in place on one trainer's weights: Xavier-uniform weight (drawn on
+    the CPU from `seed`, the same on every process and device), zero bias."""
+    weight = weights[f"{layer}.weight"]
+    fresh = torch.empty(weight.shape, dtype=torch.float32)
+    torch.nn.init.xavier_uniform_(fresh, generator=torch.Generator().manual_seed(seed))
+    weight.copy_(fresh)
+    if f"{layer}.bias" in weights:
+        weights[f"{layer}.bias"].zero_()

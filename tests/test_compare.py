@@ -82,7 +82,8 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     assert sorted((r["variant"], r["seed"]) for r in per_seed) == sorted((v, "0") for v in table)
     assert all(r["reached_budget"] == "True" and float(r["tokens"]) >= 3000 for r in per_seed)
     report = (out / "comparison.md").read_text()
-    for heading in ("## Final models", "## To the target", "## Per seed, paired", "matched budget of 3000 tokens", "rounds (outer steps)",
+    for heading in ("## Final models", "## To the target", "## Per seed, paired", "matched budget of 3000 tokens",
+                    "rounds (outer steps)",
                     "syncs (cross-node", "bytes communicated", "## Merges"):
         assert heading in report, heading
     for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
@@ -506,3 +507,22 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
     assert paper["adloco_paper"]["vs"] == "diloco_b1 (not in this report)"  # it starts at batch 1
     text = "\n".join(lines)
     assert "## The paper's comparison" in text and "H = 10 inner steps" in text and "| adloco | diloco_b2 |" in text
+
+
+def test_mid_round_evaluations_give_steps_to_a_target_their_granularity():
+    from benchmarks.compare.reader import fine_curve
+    from training_logs.records import InnerEval
+
+    curve = [{"step": s, "metric": m, "tokens": 100 * s, "steps": 10 * s, "sim_time": 2.0 * s, "rounds": s}
+             for s, m in ((0, 1000.0), (1, 500.0), (2, 300.0))]
+    evaluations = [InnerEval(2, t, t, j, 100 + 10 * j, val_perplexity=m)
+                   for t, j, m in ((0, 5, 420.0), (1, 5, 380.0))]  # trainer 1's first node is the best at step 1.5
+    fine = fine_curve(curve, evaluations, "val_perplexity", 10)
+    middle = fine[2]
+    assert [p["step"] for p in fine] == [0, 1, 1.5, 2]
+    assert (middle["metric"], middle["steps"], middle["tokens"], middle["sim_time"], middle["rounds"]) == (
+        380.0, 15, 150, 3.0, 1)  # the best trainer; steps (2 - 1) x 10 + 5; the counters of step 1
+    from benchmarks.compare.reader import first_reaching
+
+    assert first_reaching(fine, 400.0, "steps", False) == 15 and first_reaching(curve, 400.0, "steps", False) == 20
+    assert fine_curve(curve, [], "val_perplexity", 10) is curve

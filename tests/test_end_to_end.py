@@ -146,25 +146,102 @@ def test_a_batch_test_capped_by_max_requested_batch_says_so(tiny_config, tmp_pat
     assert f"the batch test was capped by max_requested_batch 4 in {len(capped)} decision" in log
 
 
-def test_the_paper_config_has_the_papers_shape_and_runs_its_first_round_on_cpu(tmp_path, cache_dir):
-    """configs/paper_microllama_c4.yaml: 4 simulated devices of 4 nodes, 4 trainers, so 4 nodes per trainer from the
-    first round and the paper's estimator (one gradient per node) sees 4 gradients per trainer at once. Its first
-    round on a CPU, with the overrides a CPU needs."""
+PAPER_ON_CPU = ["model_config.name=microllama-tiny", "model_config.pretrained=false", "dataset=embedded",
+                "embedded_sources=[tiny]", "hub_downloads=false", "tokenizer=bpe", "tokenizer_vocab_size=512",
+                "seq_len=64", "val_size=8", "num_outer_steps=1", "num_inner_steps=20", "clearml_mode=off"]
+
+
+@pytest.mark.parametrize("reading, devices, nodes_per_trainer", [
+    ("paper_microllama_c4", "[cpu]", 1), ("paper_microllama_c4_16nodes", "[cpu,cpu,cpu,cpu]", 4)])
+def test_both_readings_of_the_papers_cluster_run_their_first_round_on_cpu(tmp_path, cache_dir, reading, devices,
+                                                                         nodes_per_trainer):
+    """configs/paper_microllama_c4.yaml: the authors' reading, 4 nodes on one card, one per trainer; the 16-node
+    reading, 4 simulated devices of 4 nodes. Both as the paper: fp16 with loss scaling, the nodes estimator, output
+    layers re-initialized per trainer, an evaluation every 10 inner steps. Their first round on a CPU, with only what
+    a CPU needs changed (devices, a tiny model, the embedded corpus)."""
     from tests.conftest import ROOT
     from utils.config import load_config
 
-    cfg = load_config(ROOT / "configs" / "paper_microllama_c4.yaml", [
-        "devices=[cpu,cpu,cpu,cpu]", "model_config.name=microllama-tiny", "model_config.pretrained=false",
-        "dataset=embedded", "embedded_sources=[tiny]", "hub_downloads=false", "tokenizer=bpe",
-        "tokenizer_vocab_size=512", "seq_len=64", "val_size=8", "num_outer_steps=1", "num_inner_steps=4",
-        "clearml_mode=off", f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=paper"])
-    assert (cfg.total_nodes, cfg.num_init_trainers, cfg.variance_estimator, cfg.ETA) == (16, 4, "nodes", 0.8)
-    assert not any("start with one node" in w for w in cfg.warnings())
+    cfg = load_config(ROOT / "configs" / f"{reading}.yaml", [
+        f"devices={devices}", *PAPER_ON_CPU, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "run_name=paper"])
+    assert (cfg.total_nodes, cfg.num_init_trainers, cfg.variance_estimator, cfg.ETA) == (4 * nodes_per_trainer, 4,
+                                                                                          "nodes", 0.8)
+    assert (cfg.precision, cfg.need_to_reinit_output_layers, cfg.eval_every_inner_steps) == ("fp16", True, 10)
+    assert (cfg.merge_frequency, cfg.initial_batch_size, cfg.inner_weight_decay) == (3, 1, 0.1)
+    # one node per trainer: the nodes estimator has no variance until a merge, and says so
+    assert any("one node" in w for w in cfg.warnings()) == (nodes_per_trainer == 1)
     run_dir, summary = train(cfg)
-    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
+    report = run_dir / "model_training_report"
+    with (report / "training_log.csv").open() as f:
         first = [r for r in csv.DictReader(f) if r["outer_step"] == "1"]
     assert [r["trainer_id"] for r in first] == ["0", "1", "2", "3"]
-    assert all(r["num_nodes"] == "4" and r["requested_batch"] == "1" for r in first)
-    # the norm test decided from the 4 nodes' gradients of each trainer
-    assert all(float(r["grad_sq_norm"]) > 0 and int(r["next_requested_batch"]) >= 1 for r in first)
-    assert summary["outer_steps"] == 1 and summary["statistics_bytes"] > 0
+    assert all(r["num_nodes"] == str(nodes_per_trainer) and r["requested_batch"] == "1" for r in first)
+    if nodes_per_trainer == 4:  # the norm test decided from the 4 nodes' gradients of each trainer
+        assert all(float(r["grad_sq_norm"]) > 0 and int(r["next_requested_batch"]) >= 1 for r in first)
+        assert summary["statistics_bytes"] > 0
+    else:  # one gradient per trainer: no variance, the batch stays, nothing is sent
+        assert all(r["next_requested_batch"] == "1" for r in first) and summary["statistics_bytes"] == 0
+    log = (run_dir / "training_log.log").read_text()
+    assert "output layer lm_head re-initialized per trainer" in log and "each trainer has its own output layer" in log
+    # the paper's cadence: each trainer's first node evaluated at inner step 10 of 20, on the tokens seen by then
+    with (report / "inner_eval.csv").open() as f:
+        inner = list(csv.DictReader(f))
+    assert [(r["trainer_id"], r["inner_step"]) for r in inner] == [(str(t), "10") for t in range(4)]
+    assert all(0 < int(r["global_tokens"]) < int(first[-1]["global_tokens"]) and float(r["val_perplexity"]) > 1
+               for r in inner)
+    assert summary["outer_steps"] == 1
+
+
+def test_evaluations_within_a_round_change_no_training_number(tiny_config):
+    """eval_every_inner_steps: the trainer's first node evaluated at inner steps 1 and 2 of 3 (not 3: the trainer is
+    evaluated after its outer step), every round, with the tokens seen by then; every training number and decision is
+    what the same run without them gives."""
+    plain_dir, _ = train(tiny_config("run_name=plain"))
+    run_dir, _ = train(tiny_config("run_name=evaluated", "eval_every_inner_steps=1"))
+
+    def rows(d, name):
+        with (d / "model_training_report" / name).open() as f:
+            return [{k: v for k, v in r.items() if k != "wall_time"} for r in csv.DictReader(f)]
+
+    for name in ("training_log.csv", "step_loss_log.csv", "merge_events.csv"):
+        assert rows(run_dir, name) == rows(plain_dir, name), name
+    assert rows(plain_dir, "inner_eval.csv") == []
+    inner, log = rows(run_dir, "inner_eval.csv"), rows(run_dir, "training_log.csv")
+    steps = {r["outer_step"] for r in log} - {"0"}
+    expected = [(s, r["trainer_id"], r["nodes"].split()[0], str(j)) for s in sorted(steps, key=int)
+                for r in log if r["outer_step"] == s for j in (1, 2)]
+    assert [(r["outer_step"], r["trainer_id"], r["node_id"], r["inner_step"]) for r in inner] == expected
+    for r in inner:  # between the tokens before the round and after it
+        end = int(next(x["global_tokens"] for x in log if x["outer_step"] == r["outer_step"]))
+        before = max((int(x["global_tokens"]) for x in log if int(x["outer_step"]) == int(r["outer_step"]) - 1),
+                     default=0)
+        assert before < int(r["global_tokens"]) < end and float(r["val_perplexity"]) > 1
+
+
+def test_output_layers_are_reinitialized_per_trainer_as_the_authors_key_says():
+    from fabrics.models import output_layer, output_layer_seed, reinit_output_layer
+
+    model = LlamaForCausalLM(LlamaConfigForTest())
+    assert output_layer(model) == "lm_head"
+    states = {t: {k: v.detach().clone() for k, v in model.state_dict().items()} for t in (0, 1)}
+    for t, state in states.items():
+        reinit_output_layer(state, "lm_head", output_layer_seed(42, t))
+    weight = states[0]["lm_head.weight"]
+    fan_out, fan_in = weight.shape
+    bound = (6 / (fan_in + fan_out)) ** 0.5  # Xavier-uniform
+    assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound
+    assert not torch.equal(states[0]["lm_head.weight"], states[1]["lm_head.weight"])  # independent trainers
+    again = {k: v.clone() for k, v in model.state_dict().items()}
+    reinit_output_layer(again, "lm_head", output_layer_seed(42, 0))
+    assert torch.equal(again["lm_head.weight"], weight)  # seeded: the same on every process
+    assert torch.equal(states[0]["model.norm.weight"], model.state_dict()["model.norm.weight"])  # nothing else
+    tied = LlamaForCausalLM(LlamaConfigForTest(tie_word_embeddings=True))
+    with pytest.raises(UserError, match="ties lm_head to its input embeddings"):
+        output_layer(tied)
+
+
+def LlamaConfigForTest(**kw):  # noqa: N802 - a config factory
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2, **kw)

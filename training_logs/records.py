@@ -85,6 +85,20 @@ class MergeEvent:
 
 
 @dataclasses.dataclass
+class InnerEval:
+    """inner_eval.csv (eval_every_inner_steps): one row per mid-round evaluation of a trainer's first node's own
+    weights. global_tokens: what every node of every trainer had seen by that inner step, from the run's start."""
+    outer_step: int
+    trainer_id: int
+    node_id: int
+    inner_step: int
+    global_tokens: int
+    val_perplexity: float | None = None
+    val_accuracy: float | None = None
+    val_loss: float | None = None
+
+
+@dataclasses.dataclass
 class NodeTime:
     """node_clock.csv: the simulated clock's view of each node's round (algorithms/clock.py), seconds from the
     run's start."""

@@ -19,7 +19,7 @@ from algorithms.traffic import Traffic
 from training_logs.csv_files import start_csv
 from training_logs.memory_monitor import MemoryMonitor
 from training_logs.plots import models_alive, plot_step_loss, plot_training
-from training_logs.records import FaultEvent, MergeEvent, NodeTime, TrainerRow, columns
+from training_logs.records import FaultEvent, InnerEval, MergeEvent, NodeTime, TrainerRow, columns
 from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 COLUMNS = columns(TrainerRow)
 MERGE_COLUMNS = columns(MergeEvent)
 NODE_COLUMNS = columns(NodeTime)
+INNER_EVAL_COLUMNS = columns(InnerEval)
 FAULT_COLUMNS = columns(FaultEvent)
 TRAFFIC = tuple(Traffic().row())  # the traffic counters (algorithms/traffic.py), all in COLUMNS
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
@@ -54,6 +55,7 @@ class TrainingLogger:
         self.merge_path = report_dir / "merge_events.csv"
         self.fault_path = report_dir / "fault_events.csv"
         self.node_path = report_dir / "node_clock.csv"
+        self.inner_eval_path = report_dir / "inner_eval.csv"
         self._lock = threading.Lock()
         for path, header in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
             problem = start_csv(path, header, resume_step)
@@ -68,6 +70,7 @@ class TrainingLogger:
         # a fault that stopped the run is why it was resumed: its record stays
         start_csv(self.fault_path, FAULT_COLUMNS, resume_step, lambda row: row[FAULT_COLUMNS.index("action")] == "stop")
         start_csv(self.node_path, NODE_COLUMNS, resume_step)
+        start_csv(self.inner_eval_path, INNER_EVAL_COLUMNS, resume_step)
         self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv", resume_step)
         self.merges = 0
         self.batch_increases = 0
@@ -101,6 +104,11 @@ class TrainingLogger:
         if rows:
             self.tracker.log({f"node_{r['node_id']}/{k}": float(r[k]) for r in rows for k in ("compute_s", "idle_s")},
                              rows[0]["outer_step"])
+
+    def log_inner_evals(self, rows: list[dict]) -> None:
+        """Mid-round evaluations (eval_every_inner_steps): inner_eval.csv."""
+        with self._lock:
+            self._append(self.inner_eval_path, INNER_EVAL_COLUMNS, rows)
 
     def _append(self, path: Path, columns: list[str], rows: list[dict]) -> None:
         with path.open("a", newline="") as f:
@@ -179,7 +187,7 @@ class TrainingLogger:
     def finish(self, summary: dict) -> None:
         """Final artifacts: the CSV files and the summary."""
         for path in (self.csv_path, self.merge_path, self.fault_path, self.node_path, self.step_losses.path,
-                     self.memory.csv_path):
+                     self.inner_eval_path, self.memory.csv_path):
             self.tracker.log_artifact(path.name, path)
         self.tracker.log_artifact("summary", summary)
 

@@ -156,6 +156,11 @@ class Config:
     model_type: str = _f("microllama", "Model family: microllama (LlamaForCausalLM, language modelling) or "
                          "bert (BertForSequenceClassification, with dataset: imdb).", choices=("microllama", "bert"))
     model_config: ModelConfig = _f(ModelConfig(), "Model name and weights (see model_config.* keys).")
+    need_to_reinit_output_layers: bool = _f(False, "The authors' key: re-initialize each trainer's output layer "
+                                            "(lm_head; bert: classifier) at the start, Xavier-uniform weights and "
+                                            "zero bias, seeded per trainer (training_seed, trainer id), so trainers "
+                                            "that share one checkpoint start independent (section 4.1); the "
+                                            "authors' code seeded every trainer alike.", added_later=True)
     section("algorithm")
     distributed_algo: str = _f("DiLoCo", "DiLoCo (inner AdamW, outer SGD on the pseudo-gradient), LocalSGD (inner "
                                "SGD, outer = plain average), DDP (synchronous data parallel: gradients averaged "
@@ -267,6 +272,11 @@ class Config:
                               "first reached this metric value (0 = none).", min=0.0, resume=True)
     section("evaluation and outputs")
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
+    eval_every_inner_steps: int = _f(0, "Also evaluate within a round, every this many inner steps (the paper: every "
+                                     "10 steps): each trainer's first node evaluates its own local weights, as they "
+                                     "stand, on the validation set (no sync, nothing sent; one evaluation's compute on "
+                                     "that node); model_training_report/inner_eval.csv. 0 = only after each outer "
+                                     "step. Training numbers do not change.", min=0, resume=True)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
                                  min=0, resume=True)
     keep_checkpoints: int = _f(3, "Keep the newest this many complete checkpoints in model_weights (final included; "

@@ -16,7 +16,7 @@ LINEAR_SCALING_SLACK = 1.2  # Zhang et al.'s 20%
 
 def steps_to_target(runs: list[dict], target: float, higher: bool) -> float | None:
     """Mean optimizer steps in sequence (rounds x H) to the target over seeds; None unless every seed reached it."""
-    reach = [first_reaching(r["curve"], target, "steps", higher) for r in runs]
+    reach = [first_reaching(r.get("fine_curve", r["curve"]), target, "steps", higher) for r in runs]
     return statistics.mean(reach) if reach and all(v is not None for v in reach) else None
 
 

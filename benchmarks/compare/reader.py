@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from training_logs.plots import models_alive
-from training_logs.records import MergeEvent, TrainerRow, read_records
+from training_logs.records import InnerEval, MergeEvent, TrainerRow, read_records
 from utils.config import Config
 
 
@@ -56,7 +56,11 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     trained = [r for r in rows if r.outer_step != 0]
     if reprice_on is not None:
         summary = repriced(run_dir, summary, curve, reprice_on)
-    return {"run_dir": run_dir, "curve": curve, "summary": summary, "metric": metric, "final": summary["final_metric"],
+    inner = report / "inner_eval.csv"
+    evaluations = read_records(inner, InnerEval) if inner.is_file() else []
+    return {"run_dir": run_dir, "curve": curve, "fine_curve": fine_curve(curve, evaluations, metric, inner_steps),
+            "evaluated_every": min((e.inner_step for e in evaluations), default=inner_steps),
+            "summary": summary, "metric": metric, "final": summary["final_metric"],
             "best_seen": summary.get("best_metric_seen"), "ran": ran_shapes([dataclasses.asdict(r) for r in trained]),
             "merges": [{"before": [float(v) for v in m.metric_before.split()], "weighted": m.metric_weighted_before,
                         "after": m.metric_after} for m in merges],
@@ -64,6 +68,30 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
             "max_accumulation": max(r.accumulation_steps for r in trained),
             "grad_sq_norm": [r.grad_sq_norm for r in trained if r.grad_sq_norm is not None],
             "train_loss_first": trained[0].train_loss}
+
+
+def fine_curve(curve: list[dict], evaluations: list[InnerEval], metric: str, inner_steps: int) -> list[dict]:
+    """The curve with the mid-round evaluations (eval_every_inner_steps) between its outer steps: at inner step j
+    of outer step s, the best trainer's first-node metric, at steps (s - 1) H + j and the tokens seen by then; the
+    simulated time interpolated by j / H; the counters (rounds, syncs, bytes) those of the step before. Steps and
+    time to a target read it, at the evaluations' granularity; without evaluations it is the curve."""
+    if not evaluations:
+        return curve
+    pick = max if metric == "val_accuracy" else min
+    at: dict[tuple[int, int], list[InnerEval]] = {}
+    for e in evaluations:
+        at.setdefault((e.outer_step, e.inner_step), []).append(e)
+    by_step = {p["step"]: p for p in curve}
+    points = list(curve)
+    for (step, j), rows in at.items():
+        before, after = by_step.get(step - 1), by_step.get(step)
+        if before is None or after is None:
+            continue  # a step with no end-of-round row (a failed step): its evaluations are not placed
+        share = j / inner_steps
+        points.append({**before, "step": step - 1 + share, "metric": pick(getattr(r, metric) for r in rows),
+                       "tokens": max(r.global_tokens for r in rows), "steps": (step - 1) * inner_steps + j,
+                       "sim_time": before["sim_time"] + share * (after["sim_time"] - before["sim_time"])})
+    return sorted(points, key=lambda p: p["step"])
 
 
 def _statistics_decide(config: dict) -> bool:

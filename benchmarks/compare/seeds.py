@@ -62,7 +62,7 @@ def run_rows(results: dict[str, list[dict]], budget: float, targets: dict[str, f
                    "steps": last["steps"], "rounds": last["rounds"], "sim_time_s": last["sim_time"]}
             for label, target in targets.items():
                 for key in ("tokens", "steps", "sim_time"):
-                    row[f"{key}_to_{label}"] = first_reaching(r["curve"], target, key, higher)
+                    row[f"{key}_to_{label}"] = first_reaching(r.get("fine_curve", r["curve"]), target, key, higher)
             row.update({"bytes_needed": last["bytes"], "weights_bytes": last["weights_bytes"],
                         "statistics_bytes": last["statistics_bytes"], "starting_batch": starting_batch(r),
                         "largest_requested_batch": max(r["requested_batches"]), "merges": len(r["merges"])})
@@ -134,6 +134,10 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
     write_runs_csv(rows, out)
     h = int(yaml.safe_load((Path(next(iter(results.values()))[0]["run_dir"]) / "config.yaml").read_text())
             .get("num_inner_steps", 1))
+    every = min(r.get("evaluated_every", h) for runs in results.values() for r in runs)
+    granularity = (f"one evaluation per outer step, so steps count in whole rounds of H = {h} inner steps"
+                   if every >= h else f"an evaluation every {every} inner steps (eval_every_inner_steps: each "
+                   f"trainer's first node's own weights within a round, the trainer's after each outer step; H = {h})")
     lines = [f"## Per seed, paired (runs.csv: one row per variant and seed; {metric} at the token budget "
              f"{budget:.6g})", "",
              "Each variant's per-seed difference from the reference at matched tokens (`at_budget`, the value at "
@@ -149,8 +153,7 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
                   "of the token budget (" + ", ".join(f"{k} {v:.4g}" for k, v in targets.items()) + "). Each cell: "
                   "the mean over seeds of AdLoCo's optimizer steps (or simulated seconds, the run's own clock) to "
                   "the target over DiLoCo's, seed by seed (below 1: AdLoCo needs less); k/n seeds: only k pairs "
-                  f"reached it. Granularity: one evaluation per outer step, so steps count in whole rounds of "
-                  f"H = {h} inner steps.", "",
+                  f"reached it. Granularity: {granularity}.", "",
                   *table(paper_rows(rows, results), ["variant", "vs", *(f"{k}_{t}" for t in TARGET_SHARES
                                                                         for k in ("steps", "sim_time"))]), ""]
     return lines
