@@ -1,10 +1,11 @@
 """How cheap can the batch tests' statistics travel without changing the decisions? (statistics_comm)
 
-    python -m benchmarks.statistics_comm [--configs config.yaml configs/compare_cpu.yaml ...] [--dims 4096 16384]
+    python -m benchmarks.statistics_comm [--configs config.yaml configs/compare_cpu.yaml:ETA=0.8 ...] [--dims 4096]
 
-Each config runs once with the exact fp64 statistics (the reference trajectory). At every batch-test
-decision the same gradient samples are also reduced as `fp32` would send them and count-sketched to
-each --dims k (as `sketch` would), and the test decides again on those statistics from the same state.
+Each config (PATH or PATH:KEY=VALUE,KEY=VALUE) runs once with the exact fp64 two-vector statistics (the
+reference trajectory). At every batch-test decision the same gradient samples are also reduced as `minimal`
+(the default: one fp32 vector and fp64 scalars) sends them and count-sketched to each --dims k (as `sketch`
+would), and the test decides again on those statistics from the same state.
 Reported per config and mode: the share of decisions whose next requested batch equals fp64's, the
 share whose uncapped request (test_requested_batch) does, and the statistics bytes per round as a
 share of the weights bytes (both per node of a trainer's ring reductions: payload / 4P).
@@ -23,33 +24,37 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 
 import rounds  # noqa: E402
-from algorithms.calc_batch import BatchTest, statistics_payload_bytes  # noqa: E402
+from algorithms.calc_batch import REFERENCE_WIRE, STATISTICS_WIRE, BatchTest, statistics_payload_bytes  # noqa: E402
 from algorithms.sketch import CountSketch, sketch_coefficients  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.errors import exit_code_of  # noqa: E402
 
-DEFAULT_CONFIGS = ["config.yaml", "configs/compare_cpu.yaml", "configs/compare_warm_cpu.yaml"]
+# the default run, the harness's from-scratch and warm AdLoCo, and the paper's variant from scratch (nodes estimator)
+DEFAULT_CONFIGS = ["config.yaml", "configs/compare_cpu.yaml", "configs/compare_warm_cpu.yaml",
+                   "configs/compare_cpu.yaml:variance_estimator=nodes,ETA=0.8,initial_batch_size=1,merge_frequency=3"]
 
 
 def shadow_run(config: str, overrides: list[str], dims: list[int]) -> dict:
-    """One fp64 run; every decision also taken on fp32- and sketch-reduced statistics of the same samples."""
+    """One fp64 run; every decision also taken on minimal- and sketch-reduced statistics of the same samples."""
     from run import train
 
-    modes = ["fp32"] + [f"sketch k={k}" for k in dims]
+    path, _, own = config.partition(":")
+    overrides = [*overrides, *(o for o in own.split(",") if o)]
+    modes = ["minimal"] + [f"sketch k={k}" for k in dims]
     counts = {m: {"decisions": 0, "same_batch": 0, "same_request": 0} for m in modes}
     shadows: dict[int, dict] = {}
     sketches: dict[int, CountSketch] = {}
     exact_statistics, exact_call = rounds.trainer_statistics, BatchTest.__call__
 
-    def statistics(samples, within_node, wire=torch.float64):
+    def statistics(samples, within_node, wire=REFERENCE_WIRE):
         exact = exact_statistics(samples, within_node, wire)
-        alternatives = {"fp32": exact_statistics(samples, within_node, torch.float32)}
+        alternatives = {"minimal": exact_statistics(samples, within_node, STATISTICS_WIRE["minimal"])}
         for k in dims:
             sketch = sketches.setdefault(k, CountSketch(k, sketch_coefficients(k)))
-            alternatives[f"sketch k={k}"] = exact_statistics([(sketch(g), b) for g, b in samples], within_node)
+            alternatives[f"sketch k={k}"] = exact_statistics([(sketch(g), b) for g, b in samples], within_node,
+                                                             STATISTICS_WIRE["sketch"])
         shadows[id(exact)] = alternatives
         return exact
 
@@ -67,7 +72,7 @@ def shadow_run(config: str, overrides: list[str], dims: list[int]) -> dict:
     rounds.trainer_statistics, BatchTest.__call__ = statistics, decide
     try:
         with tempfile.TemporaryDirectory() as log_dir:
-            cfg = load_config(ROOT / config, [*overrides, f"log_dir={log_dir}", "clearml_mode=off",
+            cfg = load_config(ROOT / path, [*overrides, f"log_dir={log_dir}", "clearml_mode=off",
                                               "statistics_comm=fp64"])
             _, summary = train(cfg)
     finally:
@@ -79,7 +84,7 @@ def shadow_run(config: str, overrides: list[str], dims: list[int]) -> dict:
            "modes": {}}
     for mode in ["fp64", *modes]:
         numel = int(mode.split("=")[1]) if mode.startswith("sketch") else trainable
-        wire = torch.float32 if mode == "fp32" else torch.float64
+        wire = STATISTICS_WIRE[mode.split()[0]]
         share = statistics_payload_bytes(numel, within_node, wire) / weights
         row = {"statistics_share_of_weights": share}
         if mode != "fp64":
