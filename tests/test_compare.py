@@ -458,6 +458,7 @@ def test_the_paper_ablations_are_the_paper_variant_with_one_component_off():
     assert set(paper) == {"adloco_paper", "adloco_paper_no_adaptive", "adloco_paper_no_merge",
                           "adloco_paper_no_switch", "diloco_b1", "diloco_b2", "diloco_b4", "diloco_b8", "diloco_b16"}
     assert not set(select(known, "all", "1,2,4,8,16", False)) & {"adloco_paper_no_merge"}  # all: as before
+    assert set(select(known, "paper,ddp", "1,2,4,8,16", False)) == set(paper) | {"ddp"}  # groups and names mix
 
 
 def fake_run(tmp_path, name, seed, start, points):

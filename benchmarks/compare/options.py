@@ -133,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max_outer_steps if smaller); that run is the comparison's own AdLoCo seed 0")
     p.add_argument("--max_outer_steps", type=int, default=200,
                    help="upper bound on outer steps per run: a run stops at the budget or here, whichever is first")
-    p.add_argument("--variants", default="all", help="comma-separated subset of the variants; all (the comparison "
+    p.add_argument("--variants", default="all", help="comma-separated variants and groups: all (the comparison "
                    "without the communication variants), paper (adloco_paper, its three ablations and the diloco_bB "
-                   "sweep) or communication (adloco, the middle diloco_bB and the compressed / sketched variants)")
+                   "sweep), communication (adloco, the middle diloco_bB and the compressed / sketched variants)")
     p.add_argument("--diloco_batches", default="2,4,8,16", help="constant batches of the DiLoCo baselines")
     p.add_argument("--target", type=float, default=0.0,
                    help="target metric; 0 = the final mean of DiLoCo at the initial batch")

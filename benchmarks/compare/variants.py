@@ -113,19 +113,19 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
 
 
 def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, cluster: bool) -> dict[str, Variant]:
-    """--variants: all (the core comparison, with the cluster variants under --cluster),
-    paper (adloco_paper, its three ablations and the diloco_bB sweep), communication (adloco, the middle diloco_bB and
-    the communication variants), or names."""
-    if wanted == "all":
-        return {k: v for k, v in catalogue.items() if v.group == "core" or (cluster and v.group == "cluster")}
-    if wanted == "paper":  # the paper's variant, its ablations and the constant-batch sweep (its DiLoCo included)
-        return {k: v for k, v in catalogue.items() if k == "adloco_paper" or v.group == "paper" or v.constant_batch}
-    if wanted == "communication":
-        batches = diloco_batches.split(",")
-        middle = f"diloco_b{batches[len(batches) // 2]}"
-        return {k: v for k, v in catalogue.items() if k in ("adloco", middle) or v.group == "communication"}
+    """--variants: names and groups, comma-separated: all (the core comparison, with the cluster variants under
+    --cluster), paper (adloco_paper, its three ablations and the diloco_bB sweep), communication (adloco, the middle
+    diloco_bB and the communication variants)."""
+    batches = diloco_batches.split(",")
+    groups = {
+        "all": lambda k, v: v.group == "core" or (cluster and v.group == "cluster"),
+        # the paper's variant, its ablations and the constant-batch sweep (its starting batch's DiLoCo included)
+        "paper": lambda k, v: k == "adloco_paper" or v.group == "paper" or bool(v.constant_batch),
+        "communication": lambda k, v: k in ("adloco", f"diloco_b{batches[len(batches) // 2]}")
+        or v.group == "communication"}
     names = wanted.split(",")
-    unknown = set(names) - set(catalogue)
+    unknown = set(names) - set(catalogue) - set(groups)
     if unknown:
-        raise SystemExit(f"error: --variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(catalogue)}")
-    return {k: v for k, v in catalogue.items() if k in names}
+        raise SystemExit(f"error: --variants: unknown {', '.join(sorted(unknown))}; choose from "
+                         f"{', '.join([*groups, *catalogue])}")
+    return {k: v for k, v in catalogue.items() if k in names or any(groups[g](k, v) for g in names if g in groups)}
