@@ -89,15 +89,17 @@ def test_cpu_memory_probe_grows_with_budget_and_refuses_too_small(tiny_config):
 
 
 def test_simulated_cuda_devices_on_one_card_share_its_memory():
-    """The paper simulates 4 GPUs on one card with 4 nodes each: every one of the 16 nodes gets a sixteenth of the
-    card's free memory (not a quarter, as if each simulated device owned the card), and a device's own memory_mb
-    caps its nodes' share."""
+    """The 16-node reading of the paper's cluster simulates 4 GPUs on one card with 4 nodes each: every one of the 16
+    nodes gets a sixteenth of the card's free memory (not a quarter, as if each simulated device owned the card), and
+    a device's own memory_mb caps its nodes' share. The authors' reading: 4 nodes on the card, a quarter each."""
     from controller.build import nodes_on_card
     from utils.config import load_config
     from utils.max_batch_calculator import MiB, cuda_node_budget
 
-    paper = load_config(ROOT / "configs" / "paper_microllama_c4.yaml")
+    paper = load_config(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml")
     assert (paper.total_nodes, paper.num_init_trainers, nodes_on_card(paper, "cuda:0")) == (16, 4, 16)
+    authors = load_config(ROOT / "configs" / "paper_microllama_c4.yaml")
+    assert (authors.total_nodes, authors.num_init_trainers, nodes_on_card(authors, "cuda:0")) == (4, 4, 4)
     two_cards = load_config(None, ["devices=[cuda, cuda:0, cuda:1]", "nodes_per_gpu=2"])
     assert nodes_on_card(two_cards, "cuda:0") == 4 and nodes_on_card(two_cards, "cuda:1") == 2
     gib = 1 << 30

@@ -745,15 +745,18 @@ def test_resuming_a_run_of_an_older_version_keeps_its_log_rows(tiny_config):
 
 def test_a_checkpoint_with_the_hash_older_versions_wrote_is_still_resumable(tmp_path):
     """Versions before 2026-11-24 counted node_schedule at its default in the config hash; their checkpoints
-    carry that hash, which Config.meaning_hashes still accepts (new checkpoints carry today's)."""
+    carry that hash, which Config.meaning_hashes still accepts (new checkpoints carry today's). Every run of those
+    versions sent the fp64 statistics, as their run directories are read."""
     from utils.config import Config
 
-    today, legacy = Config().meaning_hashes()
+    today, legacy = Config(statistics_comm="fp64").meaning_hashes()
     assert today != legacy
     save_checkpoint(tmp_path, "outer_step_0001", 1, {0: FakeTrainer(1.0)}, {"step": 1}, legacy)
     assert latest_checkpoint(tmp_path, (today, legacy)).outer_step == 1
     with pytest.raises(UserError, match=f"belongs to another configuration .*this run's is {today}"):
         latest_checkpoint(tmp_path, today)
+    # today's default statistics (minimal) compute something else: no older checkpoint is taken for them
+    assert not {today, legacy} & set(Config().meaning_hashes())
 
 
 def test_a_streaming_run_made_when_fragment_alpha_weighed_the_global_copy_is_refused(tmp_path, tiny_config, capsys):

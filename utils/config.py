@@ -367,19 +367,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def meaning(self, legacy: bool = False, before_minimal: bool = False) -> dict[str, Any]:
+    def meaning(self, legacy: bool = False) -> dict[str, Any]:
         """The settings that decide a run's numbers: every key but those marked resume (max_tokens does
         decide linear_rampup's schedule when rampup_tokens is 0, so that schedule length counts too).
         legacy: as versions before 2026-11-24 computed it, counting a list-valued key marked added_later
-        (node_schedule) even at its default. before_minimal: as versions before 2026-11-25 computed it, when
-        statistics_comm's default was fp64."""
+        (node_schedule) even at its default."""
         fields = {f.name: f for f in dataclasses.fields(self)}
-        old_defaults = {"statistics_comm": "fp64"} if before_minimal else {}
 
         def at_default(f: dataclasses.Field, value: Any) -> bool:
             if f.default_factory is not dataclasses.MISSING:
                 return not legacy and value == f.default_factory()
-            return value == old_defaults.get(f.name, f.default)
+            return value == HASH_DEFAULTS.get(f.name, f.default)
 
         # keys added after checkpoints were written count only when set: those checkpoints stay resumable
         meaning = {k: v for k, v in self.to_dict().items() if not fields[k].metadata["resume"]
@@ -390,20 +388,20 @@ class Config:
             meaning["fragment_alpha_weighs"] = self.fragment_alpha_weighs
         return meaning
 
-    def meaning_hash(self, legacy: bool = False, before_minimal: bool = False) -> str:
+    def meaning_hash(self, legacy: bool = False) -> str:
         """A checkpoint is resumable under a config with the same hash."""
-        meaning = self.meaning(legacy, before_minimal)
-        return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.meaning(legacy), sort_keys=True).encode()).hexdigest()[:16]
 
     def meaning_hashes(self) -> tuple[str, ...]:
-        """The hashes a resumable checkpoint of this config may carry: today's, then those older versions wrote:
-        before 2026-11-25 (statistics_comm's default was fp64) and before 2026-11-24 (node_schedule counted at its
-        default too), so their checkpoints stay resumable."""
-        hashes = (self.meaning_hash(), self.meaning_hash(before_minimal=True),
-                  self.meaning_hash(legacy=True, before_minimal=True))
-        return tuple(dict.fromkeys(hashes))
+        """The hashes a resumable checkpoint of this config may carry: today's, then the one versions before
+        2026-11-24 wrote (which counted node_schedule at its default: their checkpoints stay resumable)."""
+        return tuple(dict.fromkeys((self.meaning_hash(), self.meaning_hash(legacy=True))))
 
 
+# Keys whose default changed after checkpoints were written: the config hash leaves them out at the value those
+# versions ran (and wrote no hash entry for), so those checkpoints stay resumable and today's default, which
+# computes something else, gets a hash of its own. statistics_comm: fp64 until 2026-11-25, then minimal.
+HASH_DEFAULTS = {"statistics_comm": "fp64"}
 FAULT_KINDS = ("nan", "error", "hang")
 # what a run directory holds besides its log file (docs/observing.md: "What a run shows and leaves")
 RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "model_weights", "model_training_report",
