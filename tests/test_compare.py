@@ -527,3 +527,28 @@ def test_mid_round_evaluations_give_steps_to_a_target_their_granularity():
 
     assert first_reaching(fine, 400.0, "steps", False) == 15 and first_reaching(curve, 400.0, "steps", False) == 20
     assert fine_curve(curve, [], "val_perplexity", 10) is curve
+
+
+def test_a_variant_the_regime_refuses_stops_the_harness_before_any_run_or_is_left_out_of_a_group(tmp_path, capsys):
+    """With one node per trainer, the paper's variant without merging can never grow a batch (the nodes estimator
+    has one sample per trainer), which the config refuses: named, the harness stops in one line before any run;
+    as a member of --variants paper, it is left out with the reason and the rest runs."""
+    args = ["--config", str(ROOT / "configs" / "compare_cpu.yaml"), "--out", str(tmp_path), "--diloco_batches", "1"]
+    with pytest.raises(SystemExit, match="variant adloco_paper_no_merge: config key 'variance_estimator'"):
+        compare_main([*args, "--variants", "adloco_paper_no_merge"])
+    assert not list((tmp_path / "runs").iterdir())
+    from benchmarks.compare import runner
+
+    def no_run(name, *a, **k):
+        raise SystemExit(f"ran {name}")
+
+    import benchmarks.compare as harness
+
+    harness.run_variant, original = no_run, harness.run_variant
+    try:
+        with pytest.raises(SystemExit, match="ran adloco_paper$"):
+            compare_main([*args, "--variants", "paper", "--max_tokens", "1000"])
+    finally:
+        harness.run_variant = original
+    assert "adloco_paper_no_merge: left out of this regime" in capsys.readouterr().out
+    assert runner.run_variant is original

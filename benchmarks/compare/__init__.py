@@ -69,8 +69,6 @@ def compare(args: Options) -> int:
             print(f"warning: --throughput_curve: {args.throughput_curve} {'; '.join(problems)}; the network model "
                   "uses it as given", file=sys.stderr)
     base = load_config(args.config, list(args.overrides))
-    extra = warm_start(args, out)
-    args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
     known = catalogue(base, args.batches, args.localsgd_lr)
     added = custom(args.add_variant, known)
     for v in added.values():  # a bad override fails here, in one line, before any run
@@ -79,6 +77,17 @@ def compare(args: Options) -> int:
         except UserError as exc:
             raise SystemExit(f"error: --add_variant {v.name}: {exc}") from None
     chosen = {**select(known, args.variants, args.diloco_batches, bool(args.cluster)), **added}
+    named = set(args.variants.split(","))
+    for name, v in list(chosen.items()):  # a config the regime refuses fails here, in one line, before any run
+        try:
+            load_config(args.config, [*args.overrides, *v.overrides])
+        except UserError as exc:
+            if name in named or name in added:
+                raise SystemExit(f"error: variant {name}: {exc}") from None
+            print(f"{name}: left out of this regime: {exc}")  # a group's member that cannot run here
+            del chosen[name]
+    extra = warm_start(args, out)
+    args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
     if not args.max_tokens:
         # the budget: what AdLoCo itself consumes in the configured number of outer steps; that run stops where the
         # budget does, so it is reused below as AdLoCo seed 0 (runner.stops_where_asked)
