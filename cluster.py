@@ -42,7 +42,7 @@ from controller.state import STALE, ClusterState, rng_state, set_rng_state
 from distributed.in_process import RoundBackend
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import Evaluator
-from fabrics.models import output_layer, output_layer_seed, reinit_output_layer, replicate
+from fabrics.models import reinit_output_layers, replicate
 from fabrics.precision import build_precision
 from trainers import TRAINERS, RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
@@ -96,10 +96,7 @@ class ClusterController:
                                  ShardSampler(len(data.train), cfg.training_seed * 1000 + t), master_device)
                          for t in trainer_ids}
         if cfg.need_to_reinit_output_layers and resume is None:  # the authors' key; a resume has its trainers' own
-            layer = output_layer(model)
-            for t, trainer in self.trainers.items():
-                reinit_output_layer(trainer.master, layer, output_layer_seed(cfg.training_seed, t))
-            log.info("output layer %s re-initialized per trainer (Xavier-uniform, zero bias, seeded by trainer)", layer)
+            reinit_output_layers(model, {t: tr.master for t, tr in self.trainers.items()}, cfg.training_seed)
         eval_device = cfg.device_names[0] if local is None else self.nodes[local].device
         self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device, precision)
         # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel
@@ -264,9 +261,7 @@ class ClusterController:
         if state.initial_metric is None:
             initial = self.driver.evaluate([min(self.trainers)])[min(self.trainers)]
             state.initial_metric = initial.value
-            start = (f"trainer {min(self.trainers)}; each trainer has its own output layer"
-                     if cfg.need_to_reinit_output_layers else "all trainers start from the same weights")
-            log.info("outer step 0: %s %.4g (%s)", initial.name, initial.value, start)
+            log.info("outer step 0: %s %.4g (%s)", initial.name, initial.value, start_words(cfg, min(self.trainers)))
             self.logger.log_initial(initial.metrics, list(self.trainers))
         else:
             log.info("resuming after outer step %d of %d", state.last_outer_step, cfg.num_outer_steps)
@@ -362,3 +357,10 @@ class ClusterController:
         if not math.isfinite(scores[final_id]):
             log.warning("final %s is not finite", self.evaluator.metric)
         return summary
+
+
+def start_words(cfg: Config, first: int) -> str:
+    """What the step-0 evaluation measured."""
+    if cfg.need_to_reinit_output_layers:
+        return f"trainer {first}; each trainer has its own output layer"
+    return "all trainers start from the same weights"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from transformers import (
 from utils.config import Config
 from utils.errors import UserError
 from utils.preflight import PRESETS_DIR, preset_names
+
+log = logging.getLogger(__name__)
 
 MICROLLAMA_HUB_ID = "keeeeenw/MicroLlama"
 # model_type -> (model class, config class, the family's own tokenizer on the Hub)
@@ -126,3 +129,12 @@ def reinit_output_layer(weights: dict[str, torch.Tensor], layer: str, seed: int)
     weight.copy_(fresh)
     if f"{layer}.bias" in weights:
         weights[f"{layer}.bias"].zero_()
+
+
+def reinit_output_layers(model: torch.nn.Module, masters: dict[int, dict[str, torch.Tensor]],
+                         training_seed: int) -> None:
+    """need_to_reinit_output_layers at a run's start: every trainer's output layer drawn from its own seed."""
+    layer = output_layer(model)
+    for trainer_id, weights in masters.items():
+        reinit_output_layer(weights, layer, output_layer_seed(training_seed, trainer_id))
+    log.info("output layer %s re-initialized per trainer (Xavier-uniform, zero bias, seeded by trainer)", layer)
