@@ -27,6 +27,8 @@ overrides of the base config:
                       replaces, and what the authors' code runs while several trainers are alive)
   diloco_bB           one trainer on all nodes, constant batch B (--diloco_batches, default 2,4,8,16),
                       run as it really is: loader batch x accumulation (only_gradient_accumulation)
+  diloco_nesterov_bB  diloco_bB with DiLoCo's standard outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9)
+                      instead of the AdLoCo paper's plain SGD at 0.5 (when named, or --variants nesterov)
   diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
                       max_requested_batch over the token budget (Megatron's rampup-batch-size)
   localsgd            as diloco_b<initial batch> with LocalSGD (inner SGD at --localsgd_lr, outer = average)
@@ -111,7 +113,12 @@ class Options:
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> Options:
-        args = vars(build_parser().parse_args(argv))
+        return cls.from_parsed(vars(build_parser().parse_args(argv)))
+
+    @classmethod
+    def from_parsed(cls, args: dict) -> Options:
+        """Options from build_parser's parsed values (another tool's parser may add keys of its own: pop them first)."""
+        args = dict(args)
         for key in ("pretrain_set", "network", "overrides", "add_variant"):
             args[key] = tuple(args[key])
         if args["cluster"]:  # every run on the described cluster, before the command line's own overrides
@@ -135,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="upper bound on outer steps per run: a run stops at the budget or here, whichever is first")
     p.add_argument("--variants", default="all", help="comma-separated variants and groups: all (the comparison "
                    "without the communication variants), paper (adloco_paper, its three ablations and the diloco_bB "
-                   "sweep), communication (adloco, the middle diloco_bB and the compressed / sketched variants)")
+                   "sweep), communication (adloco, the middle diloco_bB and the compressed / sketched variants), "
+                   "nesterov (diloco_nesterov_bB: DiLoCo with its standard outer Nesterov step at every batch)")
     p.add_argument("--diloco_batches", default="2,4,8,16", help="constant batches of the DiLoCo baselines")
     p.add_argument("--target", type=float, default=0.0,
                    help="target metric; 0 = the final mean of DiLoCo at the initial batch")

@@ -67,11 +67,17 @@ def clear_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir)
 
 
+# the run.py children alive now: a tool whose children run in worker threads (benchmarks.tune), where no
+# signal arrives as an exception, forwards its signal to them from the main thread
+LIVE_CHILDREN: set[subprocess.Popen] = set()
+
+
 def run_child(cmd: list[str], log_path: Path) -> int:
     """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal (it
     checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training."""
     with log_path.open("w") as log_file:
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        LIVE_CHILDREN.add(child)
         try:
             return child.wait()
         except BaseException as exc:
@@ -84,6 +90,8 @@ def run_child(cmd: list[str], log_path: Path) -> int:
                     child.kill()
                     child.wait()
             raise
+        finally:
+            LIVE_CHILDREN.discard(child)
 
 
 # What only the simulated clock reads (docs/clock.md): a finished run that differs in these alone has the same

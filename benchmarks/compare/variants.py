@@ -13,8 +13,35 @@ FAMILIES = ("adloco", "diloco", "localsgd", "synchronous")
 # (the nodes estimator), ETA 0.8, batches from 1, merges every 3 outer steps. The inner AdamW's betas and clipping
 # are not stated in the paper (the authors' code uses torch's defaults); they stay the regime's.
 PAPER = ("variance_estimator=nodes", "ETA=0.8", "initial_batch_size=1", "merge_frequency=3")
-# SNOO's outer step (Kallusky et al. 2025): Nesterov SGD on the H-step pseudo-gradient, DiLoCo's 0.7 / 0.9
-SNOO = ("distributed_algo=SNOO", "lr_outer=0.7", "outer_momentum=0.9", "outer_nesterov=true")
+# DiLoCo's standard outer optimizer (Douillard et al. 2023): Nesterov SGD, lr 0.7, momentum 0.9
+NESTEROV = ("lr_outer=0.7", "outer_momentum=0.9", "outer_nesterov=true")
+# SNOO's outer step (Kallusky et al. 2025): the same Nesterov SGD on the H-step pseudo-gradient of DDP
+SNOO = ("distributed_algo=SNOO", *NESTEROV)
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """One tuned key of a variant's search space (benchmarks.tune): uniform between low and high, or log-uniform;
+    relative: low and high are factors of the value the variant runs with (its own override, else the config's),
+    so that one space serves a regime at lr 3e-3 and one at 1e-4."""
+    key: str
+    low: float
+    high: float
+    log: bool = False
+    relative: bool = False
+
+    def bounds(self, cfg: Config) -> tuple[float, float]:
+        scale = float(getattr(cfg, self.key)) if self.relative else 1.0
+        return float(f"{self.low * scale:.4g}"), float(f"{self.high * scale:.4g}")
+
+
+# The search spaces (the same for every method where the methods share a key): every method tunes its inner
+# learning rate over two decades around the regime's; the Nesterov outer steps (diloco_nesterov, snoo) their outer
+# lr and momentum; the adaptive AdLoCos their norm test's ETA.
+LR_INNER = Knob("lr_inner", 0.1, 10.0, log=True, relative=True)
+OUTER = (Knob("lr_outer", 0.2, 1.0, log=True), Knob("outer_momentum", 0.5, 0.95))
+ETA = Knob("ETA", 0.4, 1.0)
+ADAPTIVE_SPACE = (LR_INNER, ETA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +52,7 @@ class Variant:
     group: str = "core"  # core (in --variants all), paper (the paper's ablations: --variants paper or named),
     # communication (when named), cluster (with --cluster), custom
     constant_batch: int = 0  # the constant-batch sweep (diloco_bB): its batch B
+    search: tuple[Knob, ...] = (LR_INNER,)  # what benchmarks.tune tunes, and over what
 
 
 # compressed outer sync, sketched statistics and streaming; diloco_* use the middle --diloco_batches batch (8 by
@@ -55,22 +83,29 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     """Every variant the harness knows, in report order."""
     single = ["num_init_trainers=1", "merge_frequency=0"]
     real_batch = "switch_mode=only_gradient_accumulation"  # a constant batch B really runs B sequences per step
-    chosen = [Variant("adloco", "adloco", ()),
-              Variant("adloco_paper", "adloco", PAPER),
+    chosen = [Variant("adloco", "adloco", (), search=ADAPTIVE_SPACE),
+              Variant("adloco_paper", "adloco", PAPER, search=ADAPTIVE_SPACE),
               Variant("adloco_no_adaptive", "adloco", ("sampling_method=constant",)),
-              Variant("adloco_no_merge", "adloco", ("merge_frequency=0",)),
-              Variant("adloco_no_switch", "adloco", ("switch_mode=only_data_loader",))]
+              Variant("adloco_no_merge", "adloco", ("merge_frequency=0",), search=ADAPTIVE_SPACE),
+              Variant("adloco_no_switch", "adloco", ("switch_mode=only_data_loader",), search=ADAPTIVE_SPACE)]
     # the paper's three ablations (section 6.3) of the paper's own variant. Switch mode off is what section 4.2
     # says it replaces, "gradient accumulation once the requested batch size exceeds max_batch", which is also what
     # the authors' code runs while more than one trainer is alive (OnlyGradientAccumulationStrategy)
     chosen += [Variant("adloco_paper_no_adaptive", "adloco", (*PAPER, "sampling_method=constant"), "paper"),
-               Variant("adloco_paper_no_merge", "adloco", (*PAPER, "merge_frequency=0"), "paper"),
-               Variant("adloco_paper_no_switch", "adloco", (*PAPER, "switch_mode=only_gradient_accumulation"), "paper")]
+               Variant("adloco_paper_no_merge", "adloco", (*PAPER, "merge_frequency=0"), "paper",
+                       search=ADAPTIVE_SPACE),
+               Variant("adloco_paper_no_switch", "adloco", (*PAPER, "switch_mode=only_gradient_accumulation"), "paper",
+                       search=ADAPTIVE_SPACE)]
     diloco_at = {}
     for b in diloco_batches:
         diloco_at[b] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
                         f"max_requested_batch={max(b, base.max_requested_batch)}", real_batch]
         chosen.append(Variant(f"diloco_b{b}", "diloco", tuple(diloco_at[b]), constant_batch=b))
+    # DiLoCo with its own paper's outer optimizer (Nesterov 0.7 / 0.9) beside the AdLoCo paper's plain SGD at 0.5,
+    # at every batch of the sweep: run when named or with --variants nesterov
+    for b in diloco_batches:
+        chosen.append(Variant(f"diloco_nesterov_b{b}", "diloco", (*diloco_at[b], *NESTEROV), "nesterov",
+                              search=(LR_INNER, *OUTER)))
     chosen.append(Variant("diloco_rampup", "diloco", (*single, "sampling_method=linear_rampup", "rampup_tokens=0",
                                                       real_batch)))
     chosen.append(Variant("localsgd", "localsgd", (*single, "sampling_method=constant", "distributed_algo=LocalSGD",
@@ -80,7 +115,7 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     # the field's references on the same nodes, at the middle DiLoCo batch (the same tokens per step): DDP
     # (gradients averaged every inner step, one AdamW, no outer step) and SNOO (DDP + an outer Nesterov step)
     chosen.append(Variant("ddp", "synchronous", (*diloco, "distributed_algo=DDP")))
-    chosen.append(Variant("snoo", "synchronous", (*diloco, *SNOO)))
+    chosen.append(Variant("snoo", "synchronous", (*diloco, *SNOO), search=(LR_INNER, *OUTER)))
     # communication (issue 22), run when named or with --variants communication: error feedback on throughout
     for group, table in (("communication", COMMUNICATION), ("cluster", CLUSTER)):
         for name, (family, scheme) in table.items():
@@ -100,10 +135,11 @@ def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Varia
                              "'paper_eta07=adloco_paper:ETA=0.7'")
         if name in known or name in added:
             raise SystemExit(f"error: --add_variant: {name} is already a variant")
-        if base and base not in known:
-            raise SystemExit(f"error: --add_variant {name}: unknown base {base}; choose from {', '.join(known)}")
-        parent = known[base] if base else Variant(name, "adloco", ())
-        added[name] = Variant(name, parent.family, (*parent.overrides, *own.split()), "custom")
+        pool = {**known, **added}  # an earlier --add_variant can be a base too
+        if base and base not in pool:
+            raise SystemExit(f"error: --add_variant {name}: unknown base {base}; choose from {', '.join(pool)}")
+        parent = pool[base] if base else Variant(name, "adloco", ())
+        added[name] = Variant(name, parent.family, (*parent.overrides, *own.split()), "custom", search=parent.search)
     return added
 
 
@@ -115,14 +151,15 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
 def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, cluster: bool) -> dict[str, Variant]:
     """--variants: names and groups, comma-separated: all (the core comparison, with the cluster variants under
     --cluster), paper (adloco_paper, its three ablations and the diloco_bB sweep), communication (adloco, the middle
-    diloco_bB and the communication variants)."""
+    diloco_bB and the communication variants), nesterov (diloco_nesterov_bB at every batch of the sweep)."""
     batches = diloco_batches.split(",")
     groups = {
         "all": lambda k, v: v.group == "core" or (cluster and v.group == "cluster"),
         # the paper's variant, its ablations and the constant-batch sweep (its starting batch's DiLoCo included)
         "paper": lambda k, v: k == "adloco_paper" or v.group == "paper" or bool(v.constant_batch),
         "communication": lambda k, v: k in ("adloco", f"diloco_b{batches[len(batches) // 2]}")
-        or v.group == "communication"}
+        or v.group == "communication",
+        "nesterov": lambda k, v: v.group == "nesterov"}
     names = wanted.split(",")
     unknown = set(names) - set(catalogue) - set(groups)
     if unknown:

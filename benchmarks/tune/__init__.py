@@ -1,0 +1,230 @@
+"""Every method tuned alike: one Optuna study per variant, the same quasi-random points, the same number of trials.
+
+    python -m benchmarks.tune --config configs/compare_cpu.yaml --max_tokens 610427 --trials 6 --workers 2 \\
+        --variants diloco_b2,diloco_b4,adloco --seeds 5 --out benchmarks/results/tune
+
+Each variant is tuned in its own study over its own search space (declared beside it in
+benchmarks/compare/variants.py: lr_inner log-uniform for every method; lr_outer and outer momentum for the Nesterov
+outer steps; ETA for the adaptive AdLoCos). Every trial is a real run.py run on the tuning seed (--tuning_seed) at
+the harness's token budget, and its objective is the report's measure: the validation metric at exactly the token
+budget. Trials are the points of one scrambled Halton sequence (benchmarks/tune/points.py), so no method gets a
+smarter search. --trials N is how many finished trials each study should hold: a second call continues the studies
+(to a larger N too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked failed and
+run again by the next call, never counted twice. --workers K runs K trials at once here, each with its share of the
+cores (cpu_threads). --storage URL shares the studies among processes on several machines (claims.py says how).
+The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory)
+and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
+VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals). Every other option is
+the comparison harness's (python -m benchmarks.compare --help).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from benchmarks.compare import compare
+from benchmarks.compare.options import Options, build_parser
+from benchmarks.compare.reader import read_run, value_at
+from benchmarks.compare.runner import LIVE_CHILDREN, run_variant, warm_start
+from benchmarks.compare.variants import Variant, catalogue, custom, select
+from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage
+from benchmarks.tune.points import PointSampler, distributions
+from utils.config import load_config
+from utils.errors import Interrupted, UserError, raise_interrupted
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines would bury the harness's own
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    trials: int
+    workers: int
+    storage: str
+    tuning_seed: int
+
+
+def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
+    p = build_parser()
+    p.prog, p.description = "python -m benchmarks.tune", __doc__
+    p.set_defaults(seeds=0, out=str(Path(__file__).resolve().parents[2] / "logs" / "tune"))
+    p.add_argument("--trials", type=int, required=True, help="finished trials each variant's study should hold")
+    p.add_argument("--workers", type=int, default=1, help="trials at once on this machine, each on cores / K threads")
+    p.add_argument("--storage", default="", help="a database URL or a journal file shared by several tune processes "
+                   "(default: the SQLite file OUT/studies.db)")
+    p.add_argument("--tuning_seed", type=int, default=1000, help="training_seed of every trial (--seeds' finalists "
+                   "run on 0..S-1, fresh seeds)")
+    values = vars(p.parse_args(argv))
+    tuning = Tuning(*(values.pop(k) for k in ("trials", "workers", "storage", "tuning_seed")))
+    if tuning.trials < 1 or tuning.workers < 1:
+        p.error("--trials and --workers must be at least 1")
+    if not values["max_tokens"]:
+        p.error("--max_tokens: give the token budget; every trial's objective is the metric at exactly that budget")
+    if 0 <= tuning.tuning_seed < values["seeds"]:
+        p.error(f"--tuning_seed {tuning.tuning_seed} is one of the finalists' seeds 0..{values['seeds'] - 1}; the "
+                "finalists must run on fresh seeds")
+    return Options.from_parsed(values), tuning
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, tuning = parse_args(argv)
+    out = Path(args.out)
+    (out / "trials" / "runs").mkdir(parents=True, exist_ok=True)
+    try:
+        base = load_config(args.config, list(args.overrides))
+    except UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    known = catalogue(base, args.batches, args.localsgd_lr)
+    chosen = {**select(known, args.variants, args.diloco_batches, bool(args.cluster)),
+              **custom(args.add_variant, known)}
+    regimes = {}
+    for name, v in chosen.items():  # every variant's config, at both ends of its ranges, checked before any run
+        try:
+            cfg = load_config(args.config, [*args.overrides, *v.overrides])
+            for end in (0, 1):
+                load_config(args.config, [*args.overrides, *v.overrides, *(
+                    f"{k}={d.high if end else d.low}" for k, d in distributions(v.search, cfg).items())])
+        except UserError as exc:
+            raise SystemExit(f"error: variant {name}: {exc}") from None
+        regimes[name] = cfg
+    stop = threading.Event()
+    stopped_by: list[int] = []
+
+    def forward(signum, frame):  # the main thread: stop claiming, and stop the runs in flight (they checkpoint)
+        stop.set()
+        stopped_by.append(signum)
+        for child in list(LIVE_CHILDREN):
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in STOPS}
+    try:
+        extra = warm_start(args, out)
+        storage = open_storage(tuning.storage, out)
+        direction = "maximize" if base.dataset == "imdb" else "minimize"
+        studies = {name: optuna.create_study(study_name=name, storage=storage, direction=direction,
+                                             sampler=PointSampler(v.search, regimes[name]), load_if_exists=True)
+                   for name, v in chosen.items()}
+        threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+                      // tuning.workers)
+        given = any(o.startswith("cpu_threads=") for o in args.overrides)  # the user's own share wins
+        trial_args = args if given else dataclasses.replace(args, overrides=(*args.overrides, f"cpu_threads={threads}"))
+        errors: list[str] = []
+        work = [threading.Thread(target=worker, args=(studies, chosen, tuning, trial_args, out, extra, stop, errors),
+                                 daemon=True) for _ in range(tuning.workers)]
+        for w in work:
+            w.start()
+        while any(w.is_alive() for w in work):  # joined with a timeout, so that signals reach forward()
+            for w in work:
+                w.join(0.2)
+        write_trials(studies, chosen, out / "trials.csv")
+        if errors:
+            raise SystemExit(f"error: benchmarks.tune: {errors[0]}")
+        if stopped_by:
+            print(f"stopped by {signal.Signals(stopped_by[0]).name}: the trials in flight were stopped and marked "
+                  "failed; run the same command again to go on (finished trials are kept)", file=sys.stderr)
+            return 128 + stopped_by[0]
+        # a point neither finished nor free is in flight in another process (this one ran until none was free)
+        missing = {name: free_points(study, tuning.trials, in_flight=True) for name, study in studies.items()}
+        if any(missing.values()):
+            print("in flight in other processes: " + "; ".join(
+                f"{name} points {', '.join(map(str, p))}" for name, p in missing.items() if p) +
+                  (f"; the finalists run once every study holds {tuning.trials} finished trials" if args.seeds
+                   else ""))
+            return 0
+        print(f"{tuning.trials} finished trials per variant: {out / 'trials.csv'}")
+        if args.seeds:
+            for s in STOPS:
+                signal.signal(s, raise_interrupted)
+            return finalists(studies, chosen, args)
+        return 0
+    except Interrupted as exc:
+        print(f"stopped by {signal.Signals(exc.signum).name}: run the same command again to go on (finished runs "
+              "are reused)", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def worker(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning, args: Options, out: Path,
+           extra: list[str], stop: threading.Event, errors: list[str]) -> None:
+    """Claim and run trials, variant after variant, until every point is finished or in flight, or a stop; an
+    error of the tool itself stops every worker (the trial in flight marked failed, its point free)."""
+    try:
+        run_trials(studies, chosen, tuning, args, out, extra, stop)
+    except Exception as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+        stop.set()
+
+
+def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning, args: Options,
+               out: Path, extra: list[str], stop: threading.Event) -> None:
+    for name, study in studies.items():
+        while not stop.is_set():
+            claimed = claim(study, tuning.trials, stop)
+            if claimed is None:
+                break
+            trial, point = claimed
+            params = {key: trial.suggest_float(key, d.low, d.high, log=d.log)
+                      for key, d in distributions(chosen[name].search, study.sampler.cfg).items()}
+            alive = threading.Event()
+            threading.Thread(target=heartbeat, args=(study, trial, alive), daemon=True).start()
+            try:
+                run_dir, _ = run_variant(f"{name}_p{point}", [*chosen[name].overrides, *(
+                    f"{k}={v}" for k, v in params.items())], tuning.tuning_seed, args, out / "trials", extra)
+            except SystemExit as exc:
+                failed = str(exc)
+                run_dir = None
+            except BaseException:
+                trial.set_user_attr("note", "the tool failed while it ran; its point runs again on the next call")
+                study.tell(trial, state=TrialState.FAIL)
+                raise
+            finally:
+                alive.set()
+            if stop.is_set():  # stopped: not finished; the next call runs this point again
+                trial.set_user_attr("note", "stopped by a signal; its point runs again on the next call")
+                study.tell(trial, state=TrialState.FAIL)
+                return
+            if run_dir is None:  # the run itself failed (a non-finite loss, ...): a finished trial, the worst value
+                trial.set_user_attr("note", failed)
+                study.tell(trial, -math.inf if study.direction.name == "MAXIMIZE" else math.inf)
+                continue
+            value, reached = value_at(read_run(run_dir)["curve"], "tokens", args.max_tokens)
+            trial.set_user_attr("run_dir", str(run_dir))
+            if not reached:
+                trial.set_user_attr("note", "ended below the token budget: its last value")
+            study.tell(trial, value)
+
+
+def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], path: Path) -> None:
+    keys = list(dict.fromkeys(k.key for v in chosen.values() for k in v.search))
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "trial", "point", "state", "objective", *keys, "note", "run_dir"])
+        for name, study in studies.items():
+            for t in study.get_trials(deepcopy=False):
+                w.writerow([name, t.number, t.user_attrs.get("point", ""), t.state.name,
+                            "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
+                            t.user_attrs.get("note", ""), t.user_attrs.get("run_dir", "")])
+
+
+def finalists(studies: dict[str, optuna.Study], chosen: dict[str, Variant], args: Options) -> int:
+    """Each variant's best trial as VARIANT_tuned, on seeds 0..S-1 beside the untuned VARIANT: the harness's report."""
+    specs = []
+    for name, study in studies.items():
+        best = study.best_trial
+        specs.append(f"{name}_tuned={name}:" + " ".join(f"{k}={v}" for k, v in best.params.items()))
+        print(f"{name}: best trial {best.number} (point {best.user_attrs['point']}): {best.value:.4g} at "
+              + ", ".join(f"{k}={v}" for k, v in best.params.items()))
+    named = ",".join(name for name, v in chosen.items() if v.group != "custom")  # --add_variant's come back by spec
+    return compare(dataclasses.replace(args, variants=named, add_variant=(*args.add_variant, *specs)))

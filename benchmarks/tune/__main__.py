@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.tune import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""Which trial runs which point, across threads, processes and machines that share one Optuna storage.
+
+Optuna numbers trials atomically in every storage; that order is the claim order. A worker asks for a trial (its
+number n), waits until every lower-numbered trial still deciding has labelled itself, then takes the lowest point
+below --trials that no finished trial holds and no live lower-numbered trial has taken. So two workers never run one
+point, and a point is finished once. A trial in flight records a heartbeat (user attr "alive_at") and its owner
+(host, pid); one whose owner died (same host) or whose heartbeat is older than GRACE_S is marked failed by the next
+worker to look, and its point is free again. A stopped trial (SIGINT / SIGTERM) is marked failed at once. Finished =
+Optuna's COMPLETE: a trial whose run diverged or failed is finished too, at the worst value (its note says why);
+only a stop or a lost owner leaves a point to be run again."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+from optuna.trial import FrozenTrial, TrialState
+
+HEARTBEAT_S = 30.0  # how often a trial in flight says it is alive
+GRACE_S = 300.0  # a trial in flight silent this long (its machine gone) is failed, and its point freed
+LABEL_WAIT_S = 60.0  # a lower-numbered trial unlabelled this long after it started lost its owner before deciding
+HOST = socket.gethostname()
+
+
+def open_storage(url: str, out: Path) -> optuna.storages.BaseStorage:
+    """--storage: a database URL (sqlite:///..., postgresql://..., mysql://...) or the path of a journal file (one
+    file that processes on several machines append to over a shared file system: the recipe for SLURM arrays);
+    default: the SQLite file DIR/studies.db."""
+    url = url or f"sqlite:///{(out / 'studies.db').resolve()}"
+    if "://" not in url:
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(str(Path(url).expanduser().resolve())))
+    # SQLite serializes writers: wait for the lock (several workers, several processes) rather than fail
+    engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+
+
+def owner_gone(trial: FrozenTrial, now: float) -> bool:
+    """A trial in flight whose owner is dead (this host) or silent for GRACE_S (any host)."""
+    attrs = trial.user_attrs
+    if attrs.get("host") == HOST and "pid" in attrs and not psutil.pid_exists(attrs["pid"]):
+        return True
+    alive_at = attrs.get("alive_at")
+    started = trial.datetime_start.timestamp() if trial.datetime_start else now
+    return now - (alive_at if alive_at is not None else started) > (GRACE_S if "point" in attrs else LABEL_WAIT_S)
+
+
+def fail_lost(study: optuna.Study) -> None:
+    """Mark failed every trial in flight whose owner is gone (its point is free again)."""
+    now = time.time()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if owner_gone(t, now):
+            try:
+                study._storage.set_trial_user_attr(t._trial_id, "note", "its process was lost; point freed")
+                study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError):
+                pass  # another worker marked it first, or it finished meanwhile
+
+
+def held_points(trials: list[FrozenTrial], below: int | None = None) -> set[int]:
+    """Points finished (any trial) or in flight (trials numbered below `below`, or all)."""
+    return {t.user_attrs["point"] for t in trials if "point" in t.user_attrs and (
+        t.state == TrialState.COMPLETE or (t.state == TrialState.RUNNING and (below is None or t.number < below)))}
+
+
+def free_points(study: optuna.Study, trials: int, in_flight: bool = False) -> list[int]:
+    """Points below `trials` that no trial has finished and none has in flight (in_flight: not finished)."""
+    done = {t.user_attrs["point"] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))}
+    held = done if in_flight else held_points(study.get_trials(deepcopy=False))
+    return [i for i in range(trials) if i not in held]
+
+
+def claim(study: optuna.Study, trials: int, stop: threading.Event) -> tuple[optuna.Trial, int] | None:
+    """A new trial labelled with its point, or None when every point is finished or in flight."""
+    fail_lost(study)
+    if not free_points(study, trials):
+        return None
+    trial = study.ask()
+    while True:
+        now = time.time()
+        others = [t for t in study.get_trials(deepcopy=False) if t.number != trial.number]
+        deciding = [t for t in others if t.number < trial.number and t.state == TrialState.RUNNING
+                    and "point" not in t.user_attrs and not owner_gone(t, now)]
+        if not deciding or stop.is_set():
+            break
+        time.sleep(0.2)
+    held = held_points(others, below=trial.number)
+    free = [i for i in range(trials) if i not in held]
+    if not free or stop.is_set():
+        trial.set_user_attr("note", "no point left when it was asked for (another worker took the last)")
+        study.tell(trial, state=TrialState.FAIL)
+        return None
+    for key, value in (("point", free[0]), ("host", HOST), ("pid", os.getpid()), ("alive_at", time.time())):
+        trial.set_user_attr(key, value)
+    return trial, free[0]
+
+
+def heartbeat(study: optuna.Study, trial: optuna.Trial, done: threading.Event) -> None:
+    """Until `done`: the trial's alive_at, every HEARTBEAT_S (a thread beside the run)."""
+    while not done.wait(HEARTBEAT_S):
+        study._storage.set_trial_user_attr(trial._trial_id, "alive_at", time.time())

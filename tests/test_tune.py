@@ -1,0 +1,143 @@
+"""The tuning engine (benchmarks.tune): the same quasi-random points for every method, trials that survive a stop and
+are never run twice, one study shared by two processes; every trial a real run.py run on a tiny config."""
+
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import psutil
+import pytest
+from scipy.stats import qmc
+
+from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
+from benchmarks.tune import main as tune_main
+from benchmarks.tune.points import SEQUENCE_SEED, point_params, unit_point
+from tests.conftest import ROOT, TINY
+from utils.config import load_config
+
+SMALL = [o for o in TINY if not o.startswith(("num_outer_steps", "merge_frequency"))]
+
+
+def tune_args(out, cache_dir, *extra, max_tokens=1500):
+    return ["--config", str(ROOT / "config.yaml"), "--max_tokens", str(max_tokens), "--max_outer_steps", "400",
+            "--variants", "diloco_b2", "--diloco_batches", "2", "--out", str(out), *extra, *SMALL,
+            f"cache_dir={cache_dir}", "max_batch_size=2"]
+
+
+def trials_of(storage, name="diloco_b2"):
+    return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+
+def test_points_are_one_halton_sequence_mapped_onto_each_space():
+    cfg = load_config(ROOT / "config.yaml", ["lr_inner=0.003"])
+    space = (LR_INNER, ETA)
+    # relative bounds: two decades around the regime's lr, rounded to 4 digits; ETA absolute
+    assert LR_INNER.bounds(cfg) == (0.0003, 0.03) and ETA.bounds(cfg) == (0.4, 1.0)
+    whole = qmc.Halton(d=2, scramble=True, seed=SEQUENCE_SEED).random(6)
+    for i in range(6):  # point i does not depend on which points were drawn before it (any worker, any order)
+        assert unit_point(i, 2) == pytest.approx(list(whole[i]), abs=1e-12)
+        u = unit_point(i, 2)
+        params = point_params(i, space, cfg)
+        assert params["lr_inner"] == float(f"{0.0003 * 100 ** u[0]:.4g}")  # log-uniform
+        assert params["ETA"] == float(f"{0.4 + 0.6 * u[1]:.4g}")  # uniform
+    points = [tuple(point_params(i, space, cfg).values()) for i in range(8)]
+    assert len(set(points)) == 8
+    # the sequence fills the space evenly: axis 1 (base 2) puts 4 of the first 8 points in each half, axis 2 (base 3)
+    # 3 of the first 9 in each third
+    assert sum(unit_point(i, 2)[0] < 0.5 for i in range(8)) == 4
+    assert [sum(k / 3 <= unit_point(i, 2)[1] < (k + 1) / 3 for i in range(9)) for k in range(3)] == [3, 3, 3]
+    assert Knob("x", 1.0, 2.0).bounds(cfg) == (1.0, 2.0)
+
+
+def test_every_method_has_a_search_space_and_the_nesterov_baseline_is_dilocos_standard_outer_step():
+    base = load_config(ROOT / "config.yaml", [])
+    known = catalogue(base, [2, 4], 0.3)
+    assert all(v.search and v.search[0].key == "lr_inner" for v in known.values())
+    assert [k.key for k in known["adloco_paper"].search] == ["lr_inner", "ETA"]
+    assert [k.key for k in known["snoo"].search] == ["lr_inner", "lr_outer", "outer_momentum"]
+    nesterov = known["diloco_nesterov_b4"]
+    assert nesterov.group == "nesterov" and nesterov.family == "diloco"
+    assert set(known["diloco_b4"].overrides) < set(nesterov.overrides)
+    cfg = load_config(ROOT / "config.yaml", list(nesterov.overrides))
+    assert (cfg.lr_outer, cfg.outer_momentum, cfg.outer_nesterov, cfg.initial_batch_size) == (0.7, 0.9, True, 4)
+    assert [k.key for k in nesterov.search] == ["lr_inner", "lr_outer", "outer_momentum"]
+
+
+def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tmp_path, cache_dir):
+    """Two workers, SIGTERM while both trials run: both marked failed, no orphan; the next call finishes exactly 3
+    trials, points 0, 1, 2 once each, the stopped points with the same values as before."""
+    out = tmp_path / "tune"
+    cmd = [sys.executable, "-m", "benchmarks.tune", *tune_args(out, cache_dir, "--trials", "3", "--workers", "2",
+                                                                   max_tokens=8000)]
+    tuner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [out / "trials" / "runs" / f"diloco_b2_p{i}_seed1000" / "training_log.log" for i in (0, 1)]
+    deadline = time.time() + 300
+    while not all(log.is_file() and "[outer 1/" in log.read_text() for log in logs):
+        assert tuner.poll() is None and time.time() < deadline, tuner.communicate()
+        time.sleep(0.2)
+    children = psutil.Process(tuner.pid).children(recursive=True)
+    assert len(children) >= 2
+    tuner.send_signal(signal.SIGTERM)
+    _, err = tuner.communicate(timeout=180)
+    assert tuner.returncode == 143, err
+    assert "stopped by SIGTERM" in err.strip().splitlines()[-1]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive  # no orphan keeps training
+    storage = f"sqlite:///{out / 'studies.db'}"
+    stopped = trials_of(storage)
+    assert [t.state for t in stopped] == [optuna.trial.TrialState.FAIL] * 2
+    assert {t.user_attrs["point"] for t in stopped} == {0, 1}
+    assert all("stopped by a signal" in t.user_attrs["note"] for t in stopped)
+
+    again_args = tune_args(out, cache_dir, "--trials", "3", "--workers", "2", max_tokens=8000)
+    assert tune_main(again_args) == 0
+    trials = trials_of(storage)
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sorted(t.user_attrs["point"] for t in done) == [0, 1, 2]
+    assert all(math.isfinite(t.value) for t in done)
+    for t in stopped:  # run again at the very same point
+        again = next(d for d in done if d.user_attrs["point"] == t.user_attrs["point"])
+        assert again.params == t.params
+    rows = (out / "trials.csv").read_text().splitlines()
+    assert rows[0].startswith("variant,trial,point,state,objective,lr_inner")
+    assert sum(",COMPLETE," in r for r in rows) == 3
+    # a second call with the same --trials has nothing left to do; a larger one extends the same sequence
+    assert tune_main(again_args) == 0
+    assert len(trials_of(storage)) == len(trials)
+
+
+def test_two_processes_share_one_study_and_never_run_a_point_twice(tmp_path, cache_dir):
+    """Two tune processes on one journal file (the several-machines recipe), started together."""
+    out = tmp_path / "tune"
+    journal = tmp_path / "shared.journal"
+    cmd = [sys.executable, "-m", "benchmarks.tune", *tune_args(out, cache_dir, "--trials", "3", "--storage",
+                                                                   str(journal), max_tokens=3000)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(journal)))
+    trials = trials_of(storage)
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sorted(t.user_attrs["point"] for t in done) == [0, 1, 2]
+    assert len({t.user_attrs["pid"] for t in done}) == 2  # both processes ran trials
+    # nothing else ran: any other trial is a claim that found no point left, and started no run
+    assert all(t.user_attrs.get("note", "").startswith("no point left") for t in trials if t not in done)
+    assert sorted(p.name for p in (out / "trials" / "runs").iterdir() if p.is_dir()) == [
+        f"diloco_b2_p{i}_seed1000" for i in range(3)]
+
+
+def test_bad_tuning_options_are_refused_in_one_line(tmp_path, capsys):
+    for extra, said in ((["--trials", "0"], "--trials and --workers must be at least 1"),
+                        (["--trials", "2", "--seeds", "3", "--tuning_seed", "1"], "is one of the finalists' seeds"),
+                        (["--trials", "2", "--max_tokens", "0"], "--max_tokens: give the token budget")):
+        with pytest.raises(SystemExit) as exc:
+            tune_main(tune_args(tmp_path / "t", tmp_path, *extra))
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="error: .*ETA"):
+        tune_main(tune_args(tmp_path / "t", tmp_path, "--trials", "2", "ETA=-1"))
