@@ -26,6 +26,14 @@ def _to_bytes(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in tensors])
 
 
+def _as(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A byte slice as `dtype`. A slice of a received buffer (a ring's shard) can start at a byte offset the dtype
+    cannot be viewed from (an int8 payload of an entry count not divisible by 4): that one is copied first."""
+    if payload.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        payload = payload.clone()
+    return payload.view(dtype)
+
+
 def _chunked(x: torch.Tensor) -> torch.Tensor:
     """[n] -> [chunks, CHUNK], zero-padded."""
     chunks = math.ceil(x.numel() / CHUNK)
@@ -66,7 +74,7 @@ class NoCompression(Compressor):
         return _to_bytes(x.float())
 
     def decode(self, payload, numel):
-        return payload.view(torch.float32).clone()
+        return _as(payload, torch.float32).clone()
 
 
 class BF16(Compressor):
@@ -82,7 +90,7 @@ class BF16(Compressor):
         return _to_bytes(x.to(torch.bfloat16))
 
     def decode(self, payload, numel):
-        return payload.view(torch.bfloat16).float()
+        return _as(payload, torch.bfloat16).float()
 
 
 class ChunkScaled(Compressor):
@@ -117,7 +125,7 @@ class ChunkScaled(Compressor):
 
     def decode(self, payload, numel):
         chunks = math.ceil(numel / CHUNK)
-        scales = payload[:4 * chunks].view(torch.float32)
+        scales = _as(payload[:4 * chunks], torch.float32)
         values = self.dequantize(payload[4 * chunks:])
         padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=payload.device)
         padded[:numel] = values
@@ -180,7 +188,7 @@ class TopK(Compressor):
 
     def decode(self, payload, numel):
         k = self.kept(numel)
-        index = payload[:4 * k].view(torch.int32).long()
+        index = _as(payload[:4 * k], torch.int32).long()
         out = torch.zeros(numel, dtype=torch.float32, device=payload.device)
         out[index] = self._values.decode(payload[4 * k:], k)
         return out

@@ -45,7 +45,8 @@ class QuantizedRing:
         shards = self.sync.shards(payload, numel, n)
         sizes = [s.numel() for s in shards]
         received, _ = self.all_to_all(torch.cat(shards), sizes, [sizes[mine]] * n, members)
-        parts = dict(zip(ranks, received.split(sizes[mine])))
+        # one part per member, each sizes[mine] long: a list split (an int split of an empty shard gives one part)
+        parts = dict(zip(ranks, received.split([sizes[mine]] * n)))
         a, b = self.sync.ring_spans(numel, n)[mine]
         device = next(iter(master.values())).device
         reduced = self.sync.reduce_shard([parts[g] for g in good], b - a, shares, device)
@@ -68,7 +69,7 @@ class QuantizedRing:
         ranks = sorted(members)
         n, mine = len(ranks), ranks.index(self.rank)
         a, b = self.sync.ring_spans(half.numel, n)[mine]
-        parts = dict(zip(ranks, half.received.split(half.sizes[mine])))
+        parts = dict(zip(ranks, half.received.split([half.sizes[mine]] * n)))
         good = [parts[r][:-FLAG_BYTES] for r in ranks if int(parts[r][-FLAG_BYTES]) == 1]
         reduced = self.sync.reduce_shard(good, b - a, device=device) if good else \
             torch.zeros(half.sizes[mine] - FLAG_BYTES, dtype=torch.uint8, device=device)

@@ -65,6 +65,76 @@ def worker(rank: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+RING_WORLD = 4
+# entry counts the microllama sizes never reach: not a multiple of 4 (bert-tiny's P mod 4 = 2; an odd streamed
+# fragment), and fewer 1024-entry chunks than the trainer's nodes (empty shards), both at once
+RING_SIZES = (1026, 3, 4097)
+
+
+def ring_payloads(compression: str, numel: int) -> list[torch.Tensor]:
+    from algorithms.outer_sync import OuterSync
+
+    sync = OuterSync(compression)
+    return [sync.compressor.encode(torch.randn(numel, generator=torch.Generator().manual_seed(7 * r + numel)))
+            for r in range(RING_WORLD)]
+
+
+def ring_worker(rank: int, store: str, out: str) -> None:
+    """The ring of quantized shards over real gloo all_to_all_single calls: the plain sync and a streamed
+    fragment's two halves (with flags; rank 3 contributes nothing to the fragment)."""
+    from algorithms.outer_sync import OuterSync
+    from algorithms.streaming import FLAG_BYTES
+    from distributed.ring import QuantizedRing
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RING_WORLD)
+    try:
+        def all_to_all(tensor, sent, got, members, async_op=False):
+            received = torch.empty(sum(got), dtype=tensor.dtype)
+            work = dist.all_to_all_single(received, tensor, got, sent, async_op=async_op)
+            return received, work
+
+        members = tuple(range(RING_WORLD))
+        results = {}
+        for compression in ("bf16", "int8", "fp8"):
+            ring = QuantizedRing(OuterSync(compression), rank, all_to_all)
+            for numel in RING_SIZES:
+                master = {"w": torch.linspace(-1, 1, numel)}
+                payload = ring_payloads(compression, numel)[rank]
+                mean = ring.mean(master, payload, numel, members, list(members), None)
+                flag = torch.tensor([0 if rank == 3 else 1, 0, 0, 0], dtype=torch.uint8)
+                work, half = ring.send_fragment(torch.cat([payload, flag]), numel, members)
+                work.wait()
+                arrival = ring.land_fragment(half, members, "cpu")
+                fragment = ring.sync.ring_mean(master, arrival.reduced)["w"]
+                results[f"{compression}/{numel}"] = {"mean": mean["w"].tolist(), "landed": arrival.contributed,
+                                                     "fragment": fragment.tolist()}
+                assert len(flag) == FLAG_BYTES
+        torch.save(results, f"{out}/ring{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_quantized_ring_over_gloo_takes_any_entry_count_and_more_nodes_than_chunks(tmp_path):
+    """bf16, int8 and fp8 rings of 4 ranks over entry counts that are not multiples of 4 and have fewer chunks than
+    ranks: every rank ends with what the simulated ring computes, bit for bit, plain and streamed."""
+    from algorithms.outer_sync import OuterSync
+
+    mp.start_processes(ring_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=RING_WORLD,
+                       start_method="spawn")
+    ranks = [torch.load(tmp_path / f"ring{r}.pt") for r in range(RING_WORLD)]
+    for compression in ("bf16", "int8", "fp8"):
+        sync = OuterSync(compression)
+        for numel in RING_SIZES:
+            master = {"w": torch.linspace(-1, 1, numel)}
+            payloads = ring_payloads(compression, numel)
+            expected = sync.ring_node_mean(master, payloads, RING_WORLD)["w"].tolist()
+            expected_fragment = sync.ring_node_mean(master, payloads[:3], RING_WORLD)["w"].tolist()
+            for got in ranks:
+                result = got[f"{compression}/{numel}"]
+                assert result["mean"] == expected, (compression, numel)
+                assert result["landed"] and result["fragment"] == expected_fragment, (compression, numel)
+
+
 def test_batch_tests_over_a_gloo_all_reduce_match_the_simulation(tmp_path):
     mp.start_processes(worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
