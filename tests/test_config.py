@@ -251,3 +251,17 @@ def test_every_compressor_is_a_choice_of_outer_compression():
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(Config)}
     assert set(choices["outer_compression"]) == set(COMPRESSORS)
     assert set(choices["merge_compression"]) <= set(COMPRESSORS)
+
+
+def test_values_that_name_strings_stay_strings_on_the_command_line_and_in_files(tmp_path):
+    """YAML 1.1 would read 2024-11-25 as a date, 3:1 as 181 (base 60) and 007 as an octal 7."""
+    cfg = load_config(ROOT / "config.yaml", ["run_name=2024-11-25", "task_name=007"])
+    assert (cfg.run_name, cfg.task_name) == ("2024-11-25", "007")
+    assert load_config(ROOT / "config.yaml", ["run_name=2024"]).run_name == "2024"
+    with pytest.raises(ConfigError, match="'3:1' is not '<outer_step>:<node_id>:<kind>'"):
+        load_config(ROOT / "config.yaml", ["inject_fault=3:1"])
+    numbers = load_config(ROOT / "config.yaml", ["lr_inner=2e-5", "ETA=0.75", "num_outer_steps=1_000"])
+    assert (numbers.lr_inner, numbers.ETA, numbers.num_outer_steps) == (2e-5, 0.75, 1000)
+    path = tmp_path / "c.yaml"
+    path.write_text("run_name: 2024-11-25\n")
+    assert load_config(path).run_name == "2024-11-25"

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -694,6 +695,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     elif tp is str:
         if isinstance(value, bool) and ("off" if not value else "on") in (meta.get("choices") or ()):
             value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # run_name=2024: a name, written as a number
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {value!r}")
     choices = meta.get("choices")
@@ -732,7 +735,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(item, "command-line overrides must look like key=value")
         try:
-            value = yaml.safe_load(text) if text else ""
+            value = yaml.load(text, Loader=_PlainLoader) if text else ""
         except yaml.YAMLError:
             value = text
         node = result
@@ -758,7 +761,23 @@ class DuplicateKeyError(yaml.YAMLError):
         self.key, self.line = key, line
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _PlainLoader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's surprises for a config: no timestamps (run_name=2024-11-25 stays a string),
+    no base-60 numbers (inject_fault=3:1 is not 181) and no leading-zero octals (007 stays a string)."""
+
+
+_PlainLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:int",
+                                                              "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_PlainLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+    r"^(?:[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+|[-+]?0b[0-1_]+)$"), list("-+0123456789"))
+_PlainLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+    r"|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+class _StrictLoader(_PlainLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
 
     def construct_mapping(self, node, deep=False):
