@@ -536,7 +536,7 @@ def test_a_variant_the_regime_refuses_stops_the_harness_before_any_run_or_is_lef
     args = ["--config", str(ROOT / "configs" / "compare_cpu.yaml"), "--out", str(tmp_path), "--diloco_batches", "1"]
     with pytest.raises(SystemExit, match="variant adloco_paper_no_merge: config key 'variance_estimator'"):
         compare_main([*args, "--variants", "adloco_paper_no_merge"])
-    assert not list((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "runs").exists()  # nothing written
     from benchmarks.compare import runner
 
     def no_run(name, *a, **k):
@@ -552,3 +552,21 @@ def test_a_variant_the_regime_refuses_stops_the_harness_before_any_run_or_is_lef
         harness.run_variant = original
     assert "adloco_paper_no_merge: left out of this regime" in capsys.readouterr().out
     assert runner.run_variant is original
+
+
+def test_the_harness_answers_input_mistakes_in_one_line_exit_2_before_writing_anything(tmp_path):
+    import subprocess
+    import sys
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("devices:\n  - {device: cpu, speed: fast}\n")
+    cases = {"--config nope.yaml": "error: --config: file not found: nope.yaml",
+             "lr_inner=abc": "error: config key 'lr_inner': expected a number, got 'abc'",
+             "--diloco_batches 2,x": "error: --diloco_batches: '2,x' is not a comma-separated list",
+             f"--cluster {cluster}": "error: config key 'devices[0].speed': expected a number, got 'fast'"}
+    for args, said in cases.items():
+        out = tmp_path / "out"
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--out", str(out), *args.split()],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith(said), (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists(), args

@@ -88,3 +88,15 @@ def exit_code_of(action: Callable[[], object], interrupted: str = "stopped") -> 
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return 0
+
+
+def exit_on_input_error(main: Callable[[], int]) -> int:
+    """A tool's `python -m` entry: its input errors (SystemExit("error: ...") raised before any work) end in that
+    one line on stderr and exit 2, like run.py's; any other SystemExit keeps its code."""
+    try:
+        return main()
+    except SystemExit as exc:
+        if isinstance(exc.code, str) and exc.code.startswith("error:"):
+            print(exc.code, file=sys.stderr)
+            return 2
+        raise

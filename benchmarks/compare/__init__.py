@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
 def compare(args: Options) -> int:
     """Every chosen variant and seed at the same token budget, then the report."""
     out = Path(args.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     if args.throughput_curve:
         try:
             problems = ThroughputCurve.load(args.throughput_curve).shape_problems()
@@ -68,7 +67,10 @@ def compare(args: Options) -> int:
         if problems:
             print(f"warning: --throughput_curve: {args.throughput_curve} {'; '.join(problems)}; the network model "
                   "uses it as given", file=sys.stderr)
-    base = load_config(args.config, list(args.overrides))
+    try:  # a missing --config, a mistyped override, a bad value in --cluster: one line, before anything is written
+        base = load_config(args.config, list(args.overrides))
+    except UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
     known = catalogue(base, args.batches, args.localsgd_lr)
     added = custom(args.add_variant, known)
     for v in added.values():  # a bad override fails here, in one line, before any run
@@ -87,6 +89,7 @@ def compare(args: Options) -> int:
                 raise SystemExit(f"error: variant {name}: {exc}") from None
             print(f"{name}: left out of this regime: {exc}")  # an ablation of --variants paper that cannot run here
             del chosen[name]
+    (out / "runs").mkdir(parents=True, exist_ok=True)
     extra = warm_start(args, out)
     args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
     if not args.max_tokens:

@@ -1,5 +1,6 @@
 import sys
 
 from benchmarks.compare import main
+from utils.errors import exit_on_input_error
 
-sys.exit(main())
+sys.exit(exit_on_input_error(main))

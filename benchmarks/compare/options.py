@@ -121,6 +121,9 @@ class Options:
         args = dict(args)
         for key in ("pretrain_set", "network", "overrides", "add_variant"):
             args[key] = tuple(args[key])
+        if not all(b.strip().isdigit() and int(b) > 0 for b in args["diloco_batches"].split(",") if b):
+            raise SystemExit(f"error: --diloco_batches: {args['diloco_batches']!r} is not a comma-separated list of "
+                             "positive whole numbers (e.g. 2,4,8,16)")
         if args["cluster"]:  # every run on the described cluster, before the command line's own overrides
             args["overrides"] = (*cluster_overrides(args["cluster"]), *args["overrides"])
         return cls(**args)

@@ -79,7 +79,6 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
 def main(argv: list[str] | None = None) -> int:
     args, tuning = parse_args(argv)
     out = Path(args.out)
-    (out / "trials" / "runs").mkdir(parents=True, exist_ok=True)
     try:
         base = load_config(args.config, list(args.overrides))
     except UserError as exc:
@@ -97,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as exc:
             raise SystemExit(f"error: variant {name}: {exc}") from None
         regimes[name] = cfg
+    (out / "trials" / "runs").mkdir(parents=True, exist_ok=True)  # only once the input is known good
     stop = threading.Event()
     stopped_by: list[int] = []
 
