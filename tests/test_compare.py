@@ -435,9 +435,15 @@ def test_a_variant_from_the_command_line_takes_its_base_then_its_own_overrides()
                                                                              "max_requested_batch=3")
     assert added["plain"].overrides == ("ETA=0.5",) and added["plain"].family == "adloco"
     for spec, words in (("nothing", r"expected NAME=\[BASE:\]KEY=VALUE"), ("x=nope:ETA=1", "unknown base nope"),
-                        ("adloco=ETA=1", "adloco is already a variant"), ("x=adloco:", "expected NAME")):
+                        ("adloco=ETA=1", "adloco is already a variant"), ("x=adloco:", "expected NAME"),
+                        ("short=adloco:num_outer_steps=2", "num_outer_steps is set by the harness"),
+                        ("s=max_tokens=5", "max_tokens is set by the harness"), ("q=task_name='open", "quotation")):
         with pytest.raises(SystemExit, match=words):
             custom((spec,), known)
+    # a quoted value keeps its spaces; an earlier --add_variant can be the base of a later one
+    named = custom(("named=adloco:task_name='my run' ETA=0.6", "named2=named:ETA=0.5"), known)
+    assert named["named"].overrides == ("task_name=my run", "ETA=0.6")
+    assert named["named2"].overrides == ("task_name=my run", "ETA=0.6", "ETA=0.5")
 
 
 def test_a_bad_override_of_a_variant_from_the_command_line_is_refused_before_any_run(tmp_path, capsys):

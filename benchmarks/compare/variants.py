@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 from utils.config import Config
 
@@ -123,6 +124,11 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     return {v.name: v for v in chosen}
 
 
+# what the harness sets on every run itself (runner.run_variant): a variant cannot choose them
+HARNESS_KEYS = ("training_seed", "log_dir", "run_name", "clearml_mode", "max_tokens", "num_outer_steps",
+                "save_weights_every")
+
+
 def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Variant]:
     """--add_variant NAME=[BASE:]KEY=VALUE ...: a variant from the command line, the overrides of an existing variant
     BASE (its family too) first, then its own (whitespace-separated); without BASE, AdLoCo's family."""
@@ -130,7 +136,16 @@ def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Varia
     for spec in specs:
         name, _, rest = spec.partition("=")
         base, _, own = rest.partition(":") if ":" in rest.split("=", 1)[0] else ("", "", rest)
-        if not name.isidentifier() or not own.split():
+        try:  # shell-like: a quoted value keeps its spaces ('task_name="my run"')
+            own_overrides = shlex.split(own)
+        except ValueError as exc:
+            raise SystemExit(f"error: --add_variant {spec!r}: {exc}") from None
+        owned = [o.split("=", 1)[0] for o in own_overrides if o.split("=", 1)[0] in HARNESS_KEYS]
+        if owned:
+            raise SystemExit(f"error: --add_variant {name}: {owned[0]} is set by the harness for every run (the token "
+                             "budget, --max_outer_steps, the seeds, where runs go); change it with the harness's own "
+                             "options")
+        if not name.isidentifier() or not own_overrides:
             raise SystemExit(f"error: --add_variant {spec!r}: expected NAME=[BASE:]KEY=VALUE ..., e.g. "
                              "'paper_eta07=adloco_paper:ETA=0.7'")
         if name in known or name in added:
@@ -139,7 +154,7 @@ def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Varia
         if base and base not in pool:
             raise SystemExit(f"error: --add_variant {name}: unknown base {base}; choose from {', '.join(pool)}")
         parent = pool[base] if base else Variant(name, "adloco", ())
-        added[name] = Variant(name, parent.family, (*parent.overrides, *own.split()), "custom", search=parent.search)
+        added[name] = Variant(name, parent.family, (*parent.overrides, *own_overrides), "custom", search=parent.search)
     return added
 
 
