@@ -259,7 +259,11 @@ def test_the_harness_never_clears_a_directory_a_live_run_holds(tmp_path, cache_d
         lock.release()
 
 
-def test_stopping_the_harness_stops_its_running_variant(tmp_path, cache_dir):
+def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resumes(tmp_path, cache_dir, capsys):
+    """A Ctrl-C at the terminal (SIGINT to the whole foreground group): the harness passes it to the running
+    variant once, which checkpoints and stops; no orphan keeps training; the same command resumes that run from its
+    checkpoint rather than training it again."""
+    import os
     import signal
     import subprocess
     import sys
@@ -268,9 +272,9 @@ def test_stopping_the_harness_stops_its_running_variant(tmp_path, cache_dir):
     import psutil
 
     out = tmp_path / "compare"
-    harness = subprocess.Popen([sys.executable, "-m", "benchmarks.compare",
-                                *_compare_args(out, cache_dir, "--max_tokens", "10000000")],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = _compare_args(out, cache_dir, "--max_tokens", "6000")
+    harness = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     log = out / "runs" / "diloco_b2_seed0" / "training_log.log"
     deadline = time.time() + 240
     while not (log.is_file() and "[outer 2/" in log.read_text()):
@@ -278,14 +282,22 @@ def test_stopping_the_harness_stops_its_running_variant(tmp_path, cache_dir):
         time.sleep(0.2)
     children = psutil.Process(harness.pid).children(recursive=True)
     assert children
-    harness.send_signal(signal.SIGTERM)
+    os.killpg(harness.pid, signal.SIGINT)  # what the terminal does: the harness's group (not the child's session)
     _, err = harness.communicate(timeout=180)
-    assert harness.returncode == 143, err
-    assert "stopped by SIGTERM: the running variant was stopped too" in err.strip().splitlines()[-1]
+    assert harness.returncode == 130, err
+    assert "stopped by SIGINT: the running variant was stopped too" in err.strip().splitlines()[-1]
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert not alive  # no orphan keeps training
     status = json.loads((out / "runs" / "diloco_b2_seed0" / "status.json").read_text())
-    assert status["state"] == "stopped" and status["signal"] == "SIGTERM"
+    assert status["state"] == "stopped" and status["signal"] == "SIGINT" and status["resumable"]
+    stopped_at = status["outer_step"]
+    assert compare_main(args) == 0
+    assert f"diloco_b2_seed0: resuming the stopped run in {out / 'runs' / 'diloco_b2_seed0'}" in capsys.readouterr().out
+    said = (out / "runs" / "diloco_b2_seed0.out").read_text()  # the stopped run's log, then the resumed one's
+    assert f"stopped by SIGINT after outer step {stopped_at}" in said
+    assert f"resuming after outer step {stopped_at} of 40" in said
+    summary = json.loads((out / "runs" / "diloco_b2_seed0" / "summary.json").read_text())
+    assert summary["outer_steps"] > stopped_at and summary["tokens_seen"] >= 6000
 
 
 def test_ran_names_the_smallest_and_largest_shapes_that_really_ran():

@@ -13,7 +13,7 @@ from benchmarks.compare.options import ROOT, Options
 from training_logs.records import TrainerRow, read_records
 from utils.config import WHERE_KEYS, Config, load_config, load_run_config
 from utils.errors import Interrupted
-from utils.run_state import in_use
+from utils.run_state import in_use, read_status
 
 
 def resolved(config_path: str | Path, overrides: list[str]) -> dict:
@@ -72,11 +72,13 @@ def clear_run_dir(run_dir: Path) -> None:
 LIVE_CHILDREN: set[subprocess.Popen] = set()
 
 
-def run_child(cmd: list[str], log_path: Path) -> int:
-    """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal (it
-    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training."""
-    with log_path.open("w") as log_file:
-        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+def run_child(cmd: list[str], log_path: Path, append: bool = False) -> int:
+    """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal once (it
+    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training. The child has a session of its own:
+    a Ctrl-C at the terminal reaches the harness alone, which passes it on, rather than both (a second signal would
+    make the child exit without its checkpoint)."""
+    with log_path.open("a" if append else "w") as log_file:
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         LIVE_CHILDREN.add(child)
         try:
             return child.wait()
@@ -135,6 +137,16 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
             return run_dir, load_config(args.config, run_args)
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
+    status = read_status(run_dir) or {}
+    if status.get("state") == "stopped" and status.get("resumable") and not args.rerun and not config_changes(
+            run_dir, resolved(args.config, run_args)):
+        # stopped earlier (a signal to the harness, or to the run): go on from its checkpoint, exactly
+        print(f"{run_name}: resuming the stopped run in {run_dir} from its checkpoint (outer step "
+              f"{status.get('outer_step')})")
+        log = out / "runs" / f"{run_name}.out"
+        if run_child([sys.executable, str(ROOT / "run.py"), "--resume", str(run_dir)], log, append=True) == 0:
+            return run_dir, None
+        print(f"{run_name}: it did not resume (see {log}); running it again")
     if run_dir.exists():
         clear_run_dir(run_dir)
     cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *run_args]
