@@ -382,7 +382,7 @@ def test_adding_a_cluster_reprices_finished_runs_that_differ_only_in_what_the_cl
 
     started = []
     real = runner.run_child
-    monkeypatch.setattr(runner, "run_child", lambda cmd, log: started.append(cmd) or real(cmd, log))
+    monkeypatch.setattr(runner, "run_child", lambda cmd, log, **kw: started.append(cmd) or real(cmd, log, **kw))
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("devices: [{device: cpu, speed: 1.0}, {device: cpu, speed: 0.25}]\nnetwork: cross-region\n")
     out = tmp_path / "compare"
@@ -399,6 +399,10 @@ def test_adding_a_cluster_reprices_finished_runs_that_differ_only_in_what_the_cl
     assert compare_main([*args, "--cluster", str(cluster)]) == 0
     said = capsys.readouterr().out
     assert started == [] and said.count("re-pricing") == 2 and "clock reads (devices, network)" in said, said[:600]
+    # a budget that stops at the same outer step as well (the budget run, re-priced under a cluster file): re-priced
+    assert compare_main([*args, "--cluster", str(cluster), "--max_tokens", "1499"]) == 0
+    said_again = capsys.readouterr().out
+    assert started == [] and said_again.count("re-pricing") == 2 and "running it again" not in said_again
     repriced = {r["variant"]: r for r in read_csv(out / "clock.csv")}
     report = (out / "comparison.md").read_text()
     assert "## What uses the cluster file" in report and "not retrained: adloco, diloco_b2" in report

@@ -50,6 +50,12 @@ def stops_where_asked(run_dir: Path, changes: list[str], wanted: Config) -> bool
         return False
     if load_run_config(run_dir / "config.yaml").meaning() != wanted.meaning():
         return False
+    return stopped_at_budget(run_dir, wanted)
+
+
+def stopped_at_budget(run_dir: Path, wanted: Config) -> bool:
+    """The finished run's last outer step is where `wanted`'s budget stops: the first step that reached its
+    max_tokens, or its num_outer_steps."""
     rows = read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow) or []
     tokens = {r.outer_step: r.global_tokens or 0 for r in rows}
     last = max(tokens, default=0)
@@ -102,6 +108,10 @@ def run_child(cmd: list[str], log_path: Path, append: bool = False) -> int:
 CLOCK_ONLY_KEYS = ("network", "throughput", "node_tokens_per_s", "target_metric")
 
 
+def without(values: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in values.items() if k not in keys}
+
+
 def numbers_of(values: dict) -> dict:
     """A resolved config without what only the clock reads."""
     out = {k: v for k, v in values.items() if k not in CLOCK_ONLY_KEYS}
@@ -130,10 +140,16 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
         if stops_where_asked(run_dir, changes, load_config(args.config, run_args)):
             print(f"{run_name}: reusing {run_dir}: it ran the same, and stopped where this budget stops it")
             return run_dir, None
-        if numbers_of(resolved(run_dir / "config.yaml", [])) == numbers_of(wanted):
-            keys = ", ".join(change.split(":", 1)[0] for change in changes)
+        # only what the clock reads differs, and perhaps when it stops (the budget run, now under a cluster file)
+        had_config, wanted_config = load_run_config(run_dir / "config.yaml"), load_config(args.config, run_args)
+        stop_changed = any(change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes)
+        if without(numbers_of(resolved(run_dir / "config.yaml", [])), STOP_KEYS) == without(
+                numbers_of(wanted), STOP_KEYS) and had_config.meaning().get("rampup_tokens") == \
+                wanted_config.meaning().get("rampup_tokens") and (
+                not stop_changed or stopped_at_budget(run_dir, wanted_config)):
+            keys = ", ".join(k for k in (c.split(":", 1)[0] for c in changes) if k not in STOP_KEYS)
             print(f"{run_name}: re-pricing {run_dir} on the new clock, not retraining: it differs only in what the "
-                  f"clock reads ({keys})")
+                  f"clock reads ({keys})" + (", and stopped where this budget stops it" if stop_changed else ""))
             return run_dir, load_config(args.config, run_args)
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
