@@ -592,3 +592,26 @@ def test_the_harness_answers_input_mistakes_in_one_line_exit_2_before_writing_an
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stderr.startswith(said), (args, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists(), args
+
+
+def test_one_target_drives_every_table_and_the_crossover_reads_families_not_names():
+    import dataclasses
+
+    from benchmarks.compare.options import Options
+    from benchmarks.compare.pricing import crossover_row, time_target
+
+    curve = [{"metric": m, "tokens": t} for m, t in ((500.0, 0), (300.0, 100), (200.0, 200))]
+    results = {"mine": [{"curve": curve}], "diloco_b2": [{"curve": curve[:2]}]}
+    args = Options.parse(["--seeds", "1"])
+    assert time_target(results, "val_perplexity", args) == 300.0  # neither given: the loosest every run reached
+    assert time_target(results, "val_perplexity", dataclasses.replace(args, target=250.0)) == 250.0
+    assert time_target(results, "val_perplexity", dataclasses.replace(args, target=250.0, time_target=400.0)) == 400.0
+    # the crossover: an AdLoCo-family variant of any name is AdLoCo (no variant named exactly adloco here)
+    families = {"adloco_paper": "adloco", "paper_eta07": "adloco", "diloco_b2": "diloco", "diloco_b4": "diloco",
+                "ddp": "synchronous"}
+    row = crossover_row({"adloco_paper": 30.0, "paper_eta07": 24.0, "diloco_b2": 40.0, "diloco_b4": None,
+                         "ddp": 20.0}, families)
+    assert (row["winner"], row["runner_up"], row["margin"]) == ("ddp", "paper_eta07", 1.2)
+    assert row["adloco_vs_best_diloco"] == 24.0 / 40.0 and row["time_diloco_b4"] is None
+    assert crossover_row({"diloco_b2": None}, families) is None
+    assert crossover_row({"diloco_b2": 5.0, "ddp": 4.0}, families)["adloco_vs_best_diloco"] is None

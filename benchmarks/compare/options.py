@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node_throughput", type=float, default=0.0,
                    help="tokens/s of one node for the network model; 0 = measured from the runs")
     p.add_argument("--time_target", type=float, default=0.0,
-                   help="target metric of the network model; 0 = the loosest value every run reached")
+                   help="target metric of the clock's and the network model's tables; 0 = --target when given, "
+                   "else the loosest value every run reached")
     p.add_argument("--time_budget", type=float, default=0.0,
                    help="seconds of predicted time; 0 = the shortest predicted run, per network")
     p.add_argument("--crossover_latency", default="10ms", help="latency of the crossover over bandwidths")

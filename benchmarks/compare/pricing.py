@@ -26,12 +26,13 @@ def _time_to(curves: list[list[dict]], target: float, higher: bool) -> float | N
 
 
 def time_target(results: dict[str, list[dict]], metric: str, args: Options) -> float:
-    """The target of the clock's and the network model's tables: --time_target, or the loosest value (every run's
-    best point reaches it)."""
+    """The target of the clock's and the network model's tables: --time_target, else --target (one target drives
+    every table), else the loosest value (every run's best point reaches it)."""
     higher = metric == "val_accuracy"
     pick = min if higher else max
     runs = [r for rs in results.values() for r in rs]
-    return args.time_target or pick((max if higher else min)(p["metric"] for p in r["curve"]) for r in runs)
+    return args.time_target or args.target or pick((max if higher else min)(p["metric"] for p in r["curve"])
+                                                   for r in runs)
 
 
 def cluster_sections(results: dict[str, list[dict]], metric: str, report_target: float, args: Options) -> list[str]:
@@ -87,8 +88,8 @@ def network_report(results: dict[str, list[dict]], metric: str, args: Options, o
               *table(_crossover_ranges(crossover), ["bandwidth", "winner", "runner_up", "margin",
                                                      "adloco_vs_best_diloco"]), "",
               "margin: the runner-up's predicted time to the target over the winner's (range over the band). "
-              "adloco_vs_best_diloco: AdLoCo's predicted time to the target over the fastest DiLoCo variant's "
-              "(below 1: AdLoCo is faster).", "",
+              "adloco_vs_best_diloco: the fastest AdLoCo-family variant's predicted time to the target (whatever its "
+              "name) over the fastest DiLoCo variant's (below 1: AdLoCo is faster).", "",
               *[f"![{p.stem}]({p.name})" for p in figures], ""]
     return lines
 
@@ -185,18 +186,28 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
     for bandwidth in network.bandwidth_grid():
         reach = {name: _time_to(cs, target, higher)
                  for name, cs in timed(network.Network("grid", bandwidth, crossover_latency)).items()}
-        ranked = sorted((v, name) for name, v in reach.items() if v is not None)
-        if not ranked:
-            continue
-        diloco = [v for name, v in reach.items() if families[name] == "diloco" and v is not None]
-        crossover.append({"bandwidth_bit_s": bandwidth * 8, "winner": ranked[0][1], "winner_time_s": ranked[0][0],
-                          "runner_up": ranked[1][1] if len(ranked) > 1 else None,
-                          "margin": ranked[1][0] / ranked[0][0] if len(ranked) > 1 else None,
-                          "adloco_vs_best_diloco": reach["adloco"] / min(diloco)
-                          if reach.get("adloco") and diloco else None,
-                          **{f"time_{name}": v for name, v in reach.items()}})
+        row = crossover_row(reach, families)
+        if row:
+            crossover.append({"bandwidth_bit_s": bandwidth * 8, **row})
     return {"throughput": throughput, "target": target, "crossover_latency": crossover_latency, "rows": rows,
             "panels": panels, "crossover": crossover}
+
+
+def crossover_row(reach: dict[str, float | None], families: dict[str, str]) -> dict | None:
+    """Who reaches the target first at one bandwidth (reach: each variant's predicted time, None = never), the
+    runner-up and the margin; adloco_vs_best_diloco by family (the fastest AdLoCo-family variant of any name over
+    the fastest DiLoCo); None when nobody reaches it."""
+    ranked = sorted((v, name) for name, v in reach.items() if v is not None)
+    if not ranked:
+        return None
+    fastest = {family: min((v for name, v in reach.items() if families[name] == family and v is not None),
+                           default=None) for family in ("adloco", "diloco")}
+    return {"winner": ranked[0][1], "winner_time_s": ranked[0][0],
+            "runner_up": ranked[1][1] if len(ranked) > 1 else None,
+            "margin": ranked[1][0] / ranked[0][0] if len(ranked) > 1 else None,
+            "adloco_vs_best_diloco": fastest["adloco"] / fastest["diloco"] if fastest["adloco"] and fastest["diloco"]
+            else None,
+            **{f"time_{name}": v for name, v in reach.items()}}
 
 
 def _crossover_ranges(crossover: list[dict]) -> list[dict]:
