@@ -49,7 +49,8 @@ class AnalysisConfig:
     batch_sizes: list[int] = documented([1, 2, 4, 8], "Mini-batch sizes to analyse.")
     repeats: int = documented(1, "Independent shuffles per batch size (more mini-batches for large B).", min=1)
     chunk_size: int = documented(8, "Largest number of samples in one forward/backward pass.", min=1)
-    eta: float = documented(0.8, "eta of the norm test for the requested-batch column.", min=1e-6)
+    eta: float = documented(0.0, "eta of the norm test for the requested-batch column; 0 = the run's own ETA (the "
+                            "train config's).", min=0.0)
     device: str = documented("cpu", "cpu, cuda or cuda:N (cuda falls back to cpu when unavailable).")
     output_dir: str = documented("", "Where PNGs, JSON and CSV go; empty = beside the checkpoint's run "
                                  "(RUN/gradient_analysis/<checkpoint>), or, for a checkpoint outside a run or the "
@@ -297,10 +298,12 @@ def run(cfg: AnalysisConfig) -> dict:
     sample = torch.randperm(len(data.train), generator=gen)[: cfg.num_samples]
     probe = GradientProbe(model, data.train, device, cfg.chunk_size)
     full, results = analyse(probe, sample, sorted(set(cfg.batch_sizes)), cfg.repeats, cfg.seed)
-    summaries = {b: r.summary(cfg.eta) for b, r in results.items()}
+    eta = cfg.eta or train_cfg.ETA  # the test the run itself took, unless asked for another
+    summaries = {b: r.summary(eta) for b, r in results.items()}
     out.mkdir(parents=True, exist_ok=True)
     info = {"model": train_cfg.model_config.name, "checkpoint": cfg.checkpoint_path or "initialisation",
             "dataset": train_cfg.dataset, "num_samples": cfg.num_samples, "parameters": n_params,
+            "eta": eta, "eta_from": "eta" if cfg.eta else f"the run's ETA ({train_cfg_path})",
             "full_gradient_norm": float(full.norm()), "train_config": str(train_cfg_path), "device": device,
             "gradient_memory_mib": 2 * n_params * 4 / 2**20,
             "process_peak_rss_mib": psutil.Process().memory_info().rss / 2**20}

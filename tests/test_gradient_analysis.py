@@ -71,7 +71,7 @@ def tiny_train_config(tmp_path, cache_dir):
 def test_command_line_tool_writes_every_number(tmp_path, cache_dir):
     out = tmp_path / "plots"
     overrides = ["num_samples=16", "batch_sizes=[2, 4, 16]", "repeats=1", f"output_dir={out}",
-                 f"train_config={tiny_train_config(tmp_path, cache_dir)}", "train_overrides=[val_size=4]"]
+                 f"train_config={tiny_train_config(tmp_path, cache_dir)}", "train_overrides=[val_size=4, ETA=0.7]"]
     proc = subprocess.run([sys.executable, "-m", "gradient_analysis.gradient_analysis", *overrides], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -80,6 +80,10 @@ def test_command_line_tool_writes_every_number(tmp_path, cache_dir):
     assert [s["num_batches"] for s in report["summary"]] == [8, 4, 1]
     assert report["summary"][2]["mean_deviation"] < 1e-6 * report["info"]["full_gradient_norm"]
     assert report["info"]["parameters"] > 0 and report["info"]["gradient_memory_mib"] > 0
+    # the requested-batch column takes the run's own ETA (0.7 here) unless eta is given
+    assert report["info"]["eta"] == 0.7 and report["info"]["eta_from"].startswith("the run's ETA")
+    row, norm = report["summary"][0], report["info"]["full_gradient_norm"]
+    assert row["norm_test_batch"] == pytest.approx(row["per_sample_variance"] / (0.7**2 * norm**2), rel=1e-6)
     with (out / "gradient_deviations.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 8 + 4 + 1
     for b in (2, 4, 16):
