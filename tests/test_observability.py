@@ -59,6 +59,11 @@ def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
     assert os.path.isfile(folder + ".zip") and "import-offline-session" in proc.stdout + proc.stderr
     assert f"{sys.executable} -m training_logs.clearml_tracker" in proc.stdout + proc.stderr  # not a bare python
     assert "config (as config.yaml records it)" not in proc.stdout + proc.stderr  # the log file's only
+    # the import command it prints, with no server configured: one line saying what is missing and how to set it up
+    imported = subprocess.run([sys.executable, "-m", "training_logs.clearml_tracker", str(tmp_path / "logs" / "r")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 1 and len(imported.stderr.strip().splitlines()) == 1, imported.stderr[-2000:]
+    assert "no ClearML server is configured" in imported.stderr and "clearml-init" in imported.stderr
     scalars = [(e["metric"], e["variant"], e["iter"]) for e in events if e["type"] == "training_stats_scalar"]
     assert len(scalars) == len(set(scalars)), "an iteration was reported twice"
     pairs = {(m, v) for m, v, _ in scalars}

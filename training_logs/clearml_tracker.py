@@ -180,7 +180,8 @@ class ClearMLTracker(Tracker):
         one = (f"{shlex.quote(str(Path(sys.executable).parent / 'clearml-task'))} --import-offline-session "
                f"{shlex.quote(str(zip_path))}")
         if self.record is None:
-            log.info("ClearML offline session: %s\nimport it into a server later with:\n  %s", zip_path, one)
+            log.info("ClearML offline session: %s\nimport it into a server later (configured by clearml-init) with:"
+                     "\n  %s", zip_path, one)
             return
         state = _read_record(self.record)
         state["offline_sessions"] = [*state.get("offline_sessions", []), str(zip_path)]
@@ -205,7 +206,15 @@ def import_run(run_dir: Path, task_class: Any = None) -> str | None:
     if missing:
         raise SystemExit(f"error: offline ClearML session {missing[0]} is gone ({len(missing)} of {len(sessions)} "
                          "missing); nothing imported")
-    if task_class is None:
+    if task_class is None:  # the real server: say in one line what is missing, before ClearML's own traceback
+        api = clearml_credentials()
+        if api is None:
+            raise SystemExit("error: no ClearML server is configured to import into: run `clearml-init` (it writes "
+                             "~/clearml.conf) or set CLEARML_API_HOST, CLEARML_API_ACCESS_KEY and "
+                             "CLEARML_API_SECRET_KEY, then run this again; nothing imported")
+        problem = server_problem(api, 10.0)
+        if problem:
+            raise SystemExit(f"error: the ClearML server {api} {problem}; nothing imported")
         from clearml import Task as task_class
     task_id = record.get("online_task")
     for i, session in enumerate(sessions):
