@@ -1,6 +1,6 @@
 """How noisy are mini-batch gradients at a checkpoint? (what the norm test reasons about)
 
-    python -m gradient_analysis.gradient_analysis --config gradient_analysis/config_analyze_gradient.yaml \
+    python -m gradient_analysis.gradient_analysis --config gradient_analysis/config_analyze_gradient.yaml \\
         [key=value ...]
 
 For N chosen training samples it computes the exact full gradient g = (1/N) sum_i grad l_i (each

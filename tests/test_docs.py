@@ -68,3 +68,18 @@ def test_the_readme_is_short_and_maps_every_concept_to_a_file_that_exists():
             assert list(ROOT.glob(name)), name
     for heading in ("## Contents", "## Quick start", "## What a run shows", "## Differences from the authors' code"):
         assert heading in readme, heading
+
+
+def test_command_lines_in_the_tools_help_keep_their_continuations():
+    """A backslash at the end of a docstring line is swallowed by Python unless escaped: the --help then shows a
+    command with a gap in the middle instead of two lines."""
+    import re
+
+    import benchmarks.compare.options
+    import benchmarks.tune
+    import gradient_analysis.gradient_analysis
+
+    for module in (benchmarks.compare.options, benchmarks.tune, gradient_analysis.gradient_analysis):
+        for line in module.__doc__.splitlines():
+            if line.lstrip().startswith("python -m"):
+                assert not re.search(r"\S {5,}\S", line), (module.__name__, line)

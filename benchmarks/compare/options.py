@@ -3,7 +3,7 @@
     python -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 3 --out benchmarks/results/compare
 
     # the paper's regime: one shared pretrained start, then every variant fine-tunes it with a small lr
-    python -m benchmarks.compare --config configs/compare_warm_cpu.yaml --pretrain_config configs/pretrain_cpu.yaml \
+    python -m benchmarks.compare --config configs/compare_warm_cpu.yaml --pretrain_config configs/pretrain_cpu.yaml \\
         --seeds 3 --out benchmarks/results/compare_warm
 
 Every variant trains on the same data, model and seeds, with the same token budget, as a separate `run.py`
