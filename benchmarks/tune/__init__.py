@@ -86,16 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     known = catalogue(base, args.batches, args.localsgd_lr)
     chosen = {**select(known, args.variants, args.diloco_batches, bool(args.cluster)),
               **custom(args.add_variant, known)}
-    regimes = {}
-    for name, v in chosen.items():  # every variant's config, at both ends of its ranges, checked before any run
-        try:
-            cfg = load_config(args.config, [*args.overrides, *v.overrides])
-            for end in (0, 1):
-                load_config(args.config, [*args.overrides, *v.overrides, *(
-                    f"{k}={d.high if end else d.low}" for k, d in distributions(v.search, cfg).items())])
-        except UserError as exc:
-            raise SystemExit(f"error: variant {name}: {exc}") from None
-        regimes[name] = cfg
+    regimes = checked_regimes(args, chosen)
     (out / "trials" / "runs").mkdir(parents=True, exist_ok=True)  # only once the input is known good
     stop = threading.Event()
     stopped_by: list[int] = []
@@ -154,6 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
+    """Every variant's config, checked at both ends of its ranges before any run (one line if one is refused)."""
+    regimes = {}
+    for name, v in chosen.items():
+        try:
+            cfg = load_config(args.config, [*args.overrides, *v.overrides])
+            for end in (0, 1):
+                load_config(args.config, [*args.overrides, *v.overrides, *(
+                    f"{k}={d.high if end else d.low}" for k, d in distributions(v.search, cfg).items())])
+        except UserError as exc:
+            raise SystemExit(f"error: variant {name}: {exc}") from None
+        regimes[name] = cfg
+    return regimes
 
 
 def worker(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning, args: Options, out: Path,
