@@ -85,6 +85,7 @@ class RunSession:
         setup_logging(run_dir / cfg.log_file if self.writes else None)
         if not self.writes:
             logging.getLogger().setLevel(logging.WARNING)
+            share_errors(run_dir / cfg.log_file, self.env.rank)
         if self.writes:
             write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             write_status(run_dir, "running", exit_code=None, signal=None, outer_step=self.resume_step,
@@ -93,6 +94,8 @@ class RunSession:
             if checkpoint is not None:
                 cut_jsonl(run_dir / "metrics.jsonl", self.resume_step)
         if checkpoint is not None:
+            for problem in checkpoint.skipped if self.writes else []:  # damaged newer ones: said, not passed over
+                log.warning("resume: skipped a damaged newer checkpoint: %s", problem)
             log.info("resuming %s from %s (after outer step %d)", run_dir, checkpoint.path, self.resume_step)
         else:
             log.info("run directory: %s", run_dir)
@@ -177,16 +180,24 @@ class RunSession:
                 self.env = None
 
     def _ended_by(self, exc: BaseException) -> None:
-        """The run's own log says why it ended; status.json records it (rank 0)."""
+        """The run's own log says why it ended (under torchrun, any rank's own error, with its traceback);
+        status.json records it (rank 0). A rank's own error is the group's first cause (distributed/liveness.py)."""
+        from distributed.liveness import GroupFailure
+
+        own = not isinstance(exc, (RunStopped, GroupFailure)) and isinstance(exc, Exception)
         if isinstance(exc, RunStopped):
             exc.run_dir = self.run_dir
             log.warning("%s; resume with: python run.py --resume %s", exc, self.run_dir, extra=FILE_ONLY)
-        elif isinstance(exc, UserError):
+        elif isinstance(exc, UserError) and (own or self.writes):
             log.error("%s", exc, extra=FILE_ONLY)
-        elif isinstance(exc, Exception):
+        elif own:
             log.exception("run failed", extra=FILE_ONLY)  # the traceback goes to the log; main prints one line
+        if own and self.env is not None:
+            from distributed import torchrun
+
+            torchrun.record_cause(ending_of(exc)[2])
         if self.writes:
-            record_ending(self.run_dir, exc)
+            record_ending(self.run_dir, exc, resumed=self.checkpoint is not None)
 
 
 def build_tracker(cfg: Config, run_dir: Path, resume_step: int | None = None):
@@ -270,13 +281,14 @@ def ending_of(exc: BaseException, resuming: str | None = None) -> tuple[str, int
                          + (f"; traceback in {where}" if where else ""))
 
 
-def record_ending(run_dir: Path, exc: BaseException) -> None:
-    """status.json for a run that did not complete: what ended it, where it can resume from."""
+def record_ending(run_dir: Path, exc: BaseException, resumed: bool) -> None:
+    """status.json for a run that did not complete: what ended it, where it can resume from (resumed: this
+    process resumed it from a checkpoint; a new run stopped during set-up has nothing to resume)."""
     from utils.checkpoint import MANIFEST
     from utils.run_state import write_status
     from utils.signals import signal_name
 
-    state, code, line = ending_of(exc, resuming=str(run_dir))
+    state, code, line = ending_of(exc, resuming=str(run_dir) if resumed else None)
     complete = sorted((run_dir / "model_weights").glob(f"outer_step_*/{MANIFEST}"))  # NNNN: sorted by step
     latest = complete[-1].parent if complete else None
     fields = {"exit_code": code, "signal": None, "outer_step": int(latest.name.rsplit("_", 1)[1]) if latest else None,
@@ -307,6 +319,17 @@ def final_resumable(final: Path) -> bool:
         return bool(json.loads((final / MANIFEST).read_text()).get("resumable"))
     except (OSError, ValueError):
         return False
+
+
+def share_errors(log_file: Path, rank: int) -> None:
+    """A torchrun rank other than 0 writes nothing of the run's, but its own errors, with their tracebacks, go to
+    the run's log too, marked with its rank, when the run directory is on this machine's file system."""
+    if not log_file.parent.is_dir():
+        return
+    handler = logging.FileHandler(log_file, encoding="utf-8", delay=True)  # opened at the first error only
+    handler.setLevel(logging.ERROR)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
 
 
 def log_path() -> str | None:

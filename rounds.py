@@ -18,7 +18,7 @@ import torch
 from algorithms.calc_batch import REFERENCE_WIRE, GradientStatistics, StatisticsWire, trainer_statistics
 from algorithms.outer_sync import OuterSync, flatten, unflatten
 from algorithms.streaming import FLAG_BYTES
-from trainers import Node, NodeJob, NodeResult, RoundAbandoned
+from trainers import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
 from utils.model_state import float_state
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
     (a round that is rolled back restores the residual with the rest of the round's state)."""
     try:
         result = node.run(job)
-    except RoundAbandoned:
+    except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
         raise
     except Exception as exc:  # a node fault, handled by the on_node_fault policy
         return _failed(job, exc)
@@ -98,7 +98,7 @@ def advance(round_steps, job: NodeJob) -> int | NodeResult | NodeFault:
         return next(round_steps)
     except StopIteration as done:
         result = done.value
-    except RoundAbandoned:
+    except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
         raise
     except Exception as exc:
         return _failed(job, exc)

@@ -187,6 +187,16 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     return session.run_dir, summary
 
 
+def with_rank(line: str) -> str:
+    """Under torchrun every process prints its own line on one terminal: each says which rank it is."""
+    from distributed.torchrun import from_environ
+
+    env = from_environ()
+    if env is None or not line.startswith("error: ") or line.startswith("error: rank "):
+        return line
+    return f"error: rank {env.rank}: {line.removeprefix('error: ')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input, 3 training fault, 1 unexpected error, 130 / 143 stopped by a signal."""
     from utils.signals import StopSignals
@@ -217,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, SystemExit):
             raise
         _, code, line = ending_of(exc, resuming=args.resume)
+        line = with_rank(line)
         # one write: under torchrun several processes end at once on one terminal, and print() writes the
         # text and the newline apart, so their lines could run together
         sys.stderr.write(f"{line}\n")

@@ -38,7 +38,7 @@ class NodeJob:
     sample_indices: torch.Tensor  # [num_inner_steps, accumulation_steps, loader_batch]
     grad_chunks: int  # 0: no gradient samples; 1: the last step's gradient; k >= 2: k micro-batch gradients
     reset_optimizer: bool
-    inject_fault: str = ""  # testing aid (config inject_fault): "nan" or "error"
+    inject_fault: str = ""  # testing aid (config inject_fault): "nan", "error", "hang" or "crash"
     # Streaming DiLoCo: the node goes on from its own weights (it served this trainer version last round)
     # instead of loading `master`
     keep_local: bool = False
@@ -59,6 +59,11 @@ class RoundAbandoned(Exception):
 
 class InjectedFault(RuntimeError):
     """The fault that config inject_fault asked for."""
+
+
+class InjectedCrash(RuntimeError):
+    """inject_fault's crash: an error outside the node-fault policy, as a bug in the process's own code would be
+    (under torchrun: one rank's own error, which ends the run)."""
 
 
 @dataclass
@@ -192,6 +197,8 @@ class Node:
         pauses = set(pauses)
         if job.inject_fault == "error":
             raise InjectedFault(f"inject_fault: error on node {self.node_id}")
+        if job.inject_fault == "crash":
+            raise InjectedCrash(f"inject_fault: crash on node {self.node_id}")
         while job.inject_fault == "hang":  # a stuck node: only a stop (or torchrun's kill) ends it
             if self.stop.wait(0.1):
                 raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from algorithms.calc_batch import REFERENCE_WIRE, NodeGradientSums, StatisticsWire
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan
-from distributed.liveness import Liveness, collective_failed
+from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
 from distributed.ring import QuantizedRing, RingHalf
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import synchronous_round
@@ -95,7 +95,8 @@ class DistributedBackend:
     def _group(self, members: tuple[int, ...]):
         """The process group of these ranks; every rank must ask for the same groups in the same order."""
         if members not in self.groups:
-            self.groups[members] = dist.new_group(list(members))
+            with collective():
+                self.groups[members] = dist.new_group(list(members))
         return self.groups[members]
 
     def _count(self, kind: str, sent_bytes: float, seconds: float) -> None:
@@ -107,9 +108,10 @@ class DistributedBackend:
         """SUM over the group `members` (this rank among them); the result stays on the comm device."""
         start = time.perf_counter()
         on_device = tensor.to(self.comm_device)
-        dist.all_reduce(on_device, group=self._group(members))
-        if on_device.is_cuda:  # NCCL returns at once: wait, so the seconds are the collective's
-            torch.cuda.synchronize(on_device.device)
+        with collective():
+            dist.all_reduce(on_device, group=self._group(members))
+            if on_device.is_cuda:  # NCCL returns at once: wait, so the seconds are the collective's
+                torch.cuda.synchronize(on_device.device)
         n = len(members)
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return on_device
@@ -122,10 +124,11 @@ class DistributedBackend:
         start = time.perf_counter()
         on_device = tensor.to(self.comm_device)
         out = torch.empty(sum(out_splits), dtype=on_device.dtype, device=self.comm_device)
-        work = dist.all_to_all_single(out, on_device, out_splits, in_splits, group=self._group(members),
-                                      async_op=async_op)
-        if not async_op and out.is_cuda:
-            torch.cuda.synchronize(out.device)
+        with collective():
+            work = dist.all_to_all_single(out, on_device, out_splits, in_splits, group=self._group(members),
+                                          async_op=async_op)
+            if not async_op and out.is_cuda:
+                torch.cuda.synchronize(out.device)
         sent = (sum(in_splits) - in_splits[sorted(members).index(self.rank)]) * on_device.element_size()
         self._count(kind, sent, 0.0 if async_op else time.perf_counter() - start)
         return out, work
@@ -135,24 +138,28 @@ class DistributedBackend:
         start = time.perf_counter()
         on_device = tensor.to(self.comm_device)
         parts = [torch.empty_like(on_device) for _ in members]
-        dist.all_gather(parts, on_device, group=self._group(members))
-        if on_device.is_cuda:
-            torch.cuda.synchronize(on_device.device)
+        with collective():
+            dist.all_gather(parts, on_device, group=self._group(members))
+            if on_device.is_cuda:
+                torch.cuda.synchronize(on_device.device)
         self._count(kind, (len(members) - 1) * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return parts
 
     def _failed(self, exc: RuntimeError, absent: list[int] | None = None) -> UserError:
-        """A failed collective in one line (distributed/liveness.py): who ended first, or who did not arrive."""
+        """A failed collective in one line (distributed/liveness.py): the first cause a rank recorded, else who
+        ended first, or who did not arrive."""
         live = self.liveness
-        return collective_failed(self.rank, exc, live.absent() if absent is None else absent, live.ended_first())
+        return collective_failed(self.rank, exc, live.absent() if absent is None else absent, live.ended_first(),
+                                 live.first_cause())
 
     def _gather(self, value) -> list:
         """all_gather_object over the world, with an arrival mark first."""
         self.liveness.arrive()
         out: list = [None] * self.world_size
         try:
-            dist.all_gather_object(out, value)
-        except RuntimeError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
+            with collective():
+                dist.all_gather_object(out, value)
+        except CollectiveError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
             raise self._failed(exc) from None
         return out
 
@@ -173,7 +180,7 @@ class DistributedBackend:
     def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None):
         try:
             return self._run_round(jobs, trainers)
-        except RuntimeError as exc:
+        except CollectiveError as exc:  # only a collective's own failure: any other error is this rank's own
             raise self._failed(exc) from None
 
     def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
@@ -298,17 +305,19 @@ class DistributedBackend:
                     if lossy:
                         flat = compression.compressor.encode(flat)
                     flat = flat.to(self.comm_device)
-                    dist.send(flat, dst=target)
+                    with collective():
+                        dist.send(flat, dst=target)
                     self._count(kind, flat.numel() * flat.element_size(), time.perf_counter() - start)
                 else:
                     if lossy:
                         flat = torch.empty(compression.payload_bytes(numel), dtype=torch.uint8, device=self.comm_device)
                     else:
                         flat = torch.empty(numel, dtype=torch.float32, device=self.comm_device)
-                    dist.recv(flat, src=source)
+                    with collective():
+                        dist.recv(flat, src=source)
                     trainer.load_transfer(compression.compressor.decode(flat.cpu(), numel) if lossy else flat.cpu())
                     self.round_comm["seconds"] += time.perf_counter() - start
-            except RuntimeError as exc:
+            except CollectiveError as exc:
                 raise self._failed(exc, [source if self.rank == target else target]) from None
 
     def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator) -> dict:
@@ -321,8 +330,9 @@ class DistributedBackend:
         value = torch.tensor([1.0 if flag else 0.0], device=self.comm_device)
         self.liveness.arrive()
         try:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        except RuntimeError as exc:
+            with collective():
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        except CollectiveError as exc:
             raise self._failed(exc) from None
         return bool(value.item())
 
@@ -335,8 +345,9 @@ class DistributedBackend:
         totals = torch.tensor([self.sent[k] for k in kinds], dtype=torch.float64, device=self.comm_device)
         self.liveness.arrive()
         try:
-            dist.all_reduce(totals)
-        except RuntimeError as exc:
+            with collective():
+                dist.all_reduce(totals)
+        except CollectiveError as exc:
             raise self._failed(exc) from None
         return {k: int(round(float(v))) for k, v in zip(kinds, totals.cpu())}
 
@@ -381,11 +392,13 @@ class _Collectives:
             return backend.ring.send_fragment(on_device, numel, members)
         nbytes = on_device.numel() * on_device.element_size()
         if backend.sync.exact:
-            work = dist.all_reduce(on_device, group=backend._group(members), async_op=True)
+            with collective():
+                work = dist.all_reduce(on_device, group=backend._group(members), async_op=True)
             backend._count("weights", 2 * (n - 1) / n * nbytes, 0.0)
             return work, on_device
         parts = [torch.empty_like(on_device) for _ in members]
-        work = dist.all_gather(parts, on_device, group=backend._group(members), async_op=True)
+        with collective():
+            work = dist.all_gather(parts, on_device, group=backend._group(members), async_op=True)
         backend._count("weights", (n - 1) * nbytes, 0.0)
         return work, parts
 
@@ -395,9 +408,10 @@ class _Collectives:
         backend, members = self.backend, self.members
         start = time.perf_counter()
         if work is not None:
-            work.wait()
-            if backend.comm_device != "cpu" and torch.cuda.is_available():
-                torch.cuda.synchronize(backend.comm_device)
+            with collective():
+                work.wait()
+                if backend.comm_device != "cpu" and torch.cuda.is_available():
+                    torch.cuda.synchronize(backend.comm_device)
         if isinstance(arrived, RingHalf):
             arrived = backend.ring.land_fragment(arrived, members, backend.master_device)
         backend.round_comm["seconds"] += time.perf_counter() - start
@@ -435,7 +449,8 @@ class _Gradients:
         backend = self.backend
         flat = backend._flat(outcome.state if outcome is not None else None)
         if len(good_ids) < len(self.members):
-            dist.broadcast(flat, src=min(good_ids), group=backend._group(self.members))
+            with collective():
+                dist.broadcast(flat, src=min(good_ids), group=backend._group(self.members))
         return backend._unflat(flat.to(backend.master_device))
 
 

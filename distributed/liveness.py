@@ -6,18 +6,49 @@ Both are read from torchrun's store, which outlives the worker processes (the el
 - process records: each rank records its host, PID and process start time. The first rank to see a
   collective fail looks for peers whose processes are gone (on its own machine) and records them with
   `compare_set`, before torchrun stops the rest of the group; every later rank reads that record, so no
-  line blames the ranks that were only torn down.
+  line blames the ranks that were only torn down;
+- the first cause: a rank that ends by an error of its own (not a failed collective: a bug, a fault it
+  raised) records its one line before its process ends (`record_cause`), so every other rank's line and
+  status.json name that error, and nobody is told that torchrun --max-restarts would cure it.
+
+Only errors raised by a torch.distributed call are collective failures (`collective()` marks them); any
+other exception on a rank is that rank's own.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
 from utils.errors import UserError
 from utils.run_state import process_start_time
+
+FIRST_CAUSE = "first_cause"
+
+
+class CollectiveError(RuntimeError):
+    """A torch.distributed call failed (a peer died, hung or left): not an error of this rank's own code."""
+
+
+@contextmanager
+def collective() -> Iterator[None]:
+    """Around a torch.distributed call (or a wait on one): its RuntimeError becomes a CollectiveError."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        raise CollectiveError(str(exc)) from exc
+
+
+class GroupFailure(UserError):
+    """A collective failed on this rank because of another rank: the line says whose fault it was."""
+
+    exit_code = 1
 
 
 class Liveness:
@@ -40,6 +71,18 @@ class Liveness:
             return [r for r in range(self.world_size) if not self.store.check([f"arrived/{self.phase}/{r}"])]
         except RuntimeError:  # the store went with the process that hosted it
             return []
+
+    def first_cause(self) -> str:
+        """The error a rank recorded as its own before its process ended ("" when none did)."""
+        if self.store is None:
+            return ""
+        try:
+            if not self.store.check([FIRST_CAUSE]):
+                return ""
+            cause = self.store.get(FIRST_CAUSE)
+            return cause.decode() if isinstance(cause, bytes) else str(cause)
+        except (RuntimeError, ValueError):  # the store went with the process that hosted it
+            return ""
 
     def gone(self, rank: int) -> bool:
         """Whether `rank`'s process has ended (known for the ranks on this machine only)."""
@@ -67,21 +110,32 @@ class Liveness:
             return []
 
 
+def record_cause(store, rank: int, line: str) -> None:
+    """`rank` ends by an error of its own (`line`, as its console prints it): the first recorded is the group's
+    first cause."""
+    try:
+        store.compare_set(FIRST_CAUSE, "", f"rank {rank} failed first: {line.removeprefix('error: ')}")
+    except (RuntimeError, ValueError):  # the store went with the process that hosted it
+        pass
+
+
 def collective_failed(rank: int, exc: RuntimeError, absent: list[int] | None = None,
-                      ended: list[int] | None = None) -> UserError:
-    """One line: which rank saw it, whose process ended first (the rest of the group was then stopped by torchrun),
-    or which ranks did not arrive (hung, or on another machine), and what to do."""
+                      ended: list[int] | None = None, cause: str = "") -> GroupFailure:
+    """One line: which rank saw it and why. A rank that recorded an error of its own is named with that error
+    (the first cause; restarting would meet it again, so no --max-restarts advice); otherwise whose process
+    ended first (the rest of the group was then stopped by torchrun), or which ranks did not arrive (hung, or
+    on another machine), and what to do."""
     detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if cause:
+        return GroupFailure(f"rank {rank}: a collective failed because {cause}")
     hung = "timed out" in detail.lower() or "timeout" in detail.lower()
     if ended:
         why = f"{_rank_words(ended)} process ended first, and the group was stopped"
     else:
         who = f"rank {', '.join(map(str, absent))}" if absent else "another process"
         why = f"{who} did not answer within dist_timeout_s (hung?)" if hung else f"{who} died or left"
-    error = UserError(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
-                      "the group restarts and resumes from the latest checkpoint")
-    error.exit_code = 1
-    return error
+    return GroupFailure(f"rank {rank}: a collective failed, {why} ({detail[:160]}); with torchrun --max-restarts "
+                        "the group restarts and resumes from the latest checkpoint")
 
 
 def _rank_words(ranks: list[int]) -> str:

@@ -156,6 +156,16 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def record_cause(line: str) -> None:
+    """This rank ends by an error of its own: the group's first cause, for the other ranks' lines and status.json
+    (distributed/liveness.py)."""
+    from distributed.liveness import record_cause as record
+
+    env = from_environ()
+    if _STORE is not None and env is not None:
+        record(_STORE, env.rank, line)
+
+
 def shared_run_dir(env: DistEnv, claim: Callable[[], tuple[Path, Any]]) -> tuple[Path, Any]:
     """Rank 0 claims the run directory (made and locked) and tells the others; its error too, so no rank
     waits for nothing. Returns (run directory, rank 0's lock or None)."""

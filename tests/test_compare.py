@@ -491,7 +491,8 @@ def fake_run(tmp_path, name, seed, start, points):
     curve = [{"tokens": t, "steps": s, "sim_time": c, "metric": m, "rounds": s // 10, "bytes": 100 * s,
               "weights_bytes": 60 * s, "statistics_bytes": 40 * s} for t, s, c, m in points]
     return {"run_dir": run_dir, "curve": curve, "final": points[-1][3], "best_seen": min(p[3] for p in points),
-            "requested_batches": [start, 2 * start], "merges": [{}] * seed, "family": name.split("_")[0]}
+            "requested_batches": [start, 2 * start], "merges": [{}] * seed, "family": name.split("_")[0],
+            "constant_batch": int(name.removeprefix("diloco_b")) if name.startswith("diloco_b") else 0}
 
 
 def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_path):
@@ -508,7 +509,8 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
         "diloco_b2": [fake_run(tmp_path, "diloco_b2", s, 2, [(1000, 10, 1.0, 400 * (1 + s / 10)),
                                                               (2000, 20, 4.0, 200 * (1 + s / 10)),
                                                               (4000, 40, 8.0, 100 * (1 + s / 10))]) for s in (0, 1)],
-        "adloco_paper": [fake_run(tmp_path, "adloco_paper", s, 1, [(4000, 40, 4.0, 500)]) for s in (0, 1)]}
+        "adloco_paper": [fake_run(tmp_path, "adloco_paper", s, 1, [(4000, 40, 4.0, 500)]) for s in (0, 1)],
+        "diloco_b4": [fake_run(tmp_path, "diloco_b4", s, 4, [(4000, 10, 2.0, 80 + s)]) for s in (0, 1)]}
     targets = seeds.paper_targets(results["diloco_b2"], 4000, higher=False)
     assert targets == pytest.approx({"early": 440.0, "middle": 220.0, "late": 110.0})  # every seed reached them
     lines = seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path)
@@ -530,6 +532,12 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
     assert paper["adloco_paper"]["vs"] == "diloco_b1 (not in this report)"  # it starts at batch 1
     text = "\n".join(lines)
     assert "## The paper's comparison" in text and "H = 10 inner steps" in text and "| adloco | diloco_b2 |" in text
+    # and against the best constant batch at the budget, chosen after the fact: b4 (80.5 on average, b2 105)
+    assert "Against the best constant batch at the budget (diloco_b4," in text
+    best = {r["variant"]: r for r in seeds.paired_rows(seeds.run_rows(results, 4000, targets, False), "diloco_b4")}
+    assert best["adloco"]["mean_difference"] == pytest.approx(10.0)  # 90 - 80 and 91 - 81
+    assert best["diloco_b2"]["mean_difference"] == pytest.approx(24.5) and not best["adloco"]["interval_contains_0"]
+    assert "| adloco | diloco_b4 | 2 | 10 |" in text
 
 
 def test_mid_round_evaluations_give_steps_to_a_target_their_granularity():

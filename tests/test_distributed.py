@@ -353,6 +353,29 @@ def test_a_hung_rank_ends_the_run_after_dist_timeout_s_naming_it(tmp_path, cache
     assert "[outer 1/" in log and "[outer 2/" not in log
 
 
+def test_a_ranks_own_error_is_reported_as_its_own_with_its_traceback_in_the_run_log(tmp_path, cache_dir):
+    """Node 1's process raises outside the fault policy in round 2 (inject_fault crash, as a bug would): rank 1
+    says so in its own line, its traceback is in the run's log (which only rank 0 writes otherwise), and rank 0's
+    line and status.json name rank 1's error as the first cause, with no --max-restarts advice (a restart would
+    meet the same error)."""
+    proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "2"), *RUN, "nodes_per_gpu=1",
+                           "num_init_trainers=2", "inject_fault=2:1:crash", f"cache_dir={cache_dir}",
+                           f"log_dir={tmp_path}", "run_name=crash"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    run_log = tmp_path / "crash" / "training_log.log"
+    cause = f"internal error (InjectedCrash: inject_fault: crash on node 1); traceback in {run_log}"
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: rank ")]
+    assert sorted(lines) == [f"error: rank 0: a collective failed because rank 1 failed first: {cause}",
+                             f"error: rank 1: {cause}"], proc.stderr[-3000:]
+    log = run_log.read_text()
+    assert re.search(r"ERROR rank 1 run: run failed\nTraceback \(most recent call last\):\n(.*\n)*"
+                     r"trainers\.InjectedCrash: inject_fault: crash on node 1", log), log[-3000:]
+    status = json.loads((tmp_path / "crash" / "status.json").read_text())
+    assert status["state"] == "failed"
+    assert status["error"] == f"error: rank 0: a collective failed because rank 1 failed first: {cause}"
+
+
 def _two_machines(tmp_path, first: list[str], second: list[str], run_id: str):
     port = free_port()
     launch = [*torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
@@ -500,6 +523,36 @@ def test_eight_processes_with_an_int8_ring_equal_the_simulated_cluster_and_send_
     assert got["allreduce_bytes"] == expected["allreduce_bytes"] == 2 * 2 * 7 * payload  # 2 rounds
     assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"] == expected["bytes_communicated"]
     assert expected["allreduce_bytes"] <= 0.30 * 2 * 2 * 7 * expected["weight_bytes"]
+
+
+def odd_model(where) -> str:
+    """A Llama of 2114 parameters (P mod 4 = 2, as bert-tiny's) in 3 chunks of 1024 entries: a trainer of 4 nodes
+    has more nodes than chunks, and the quantized payload's shards start at offsets that are not multiples of 4."""
+    where.mkdir()
+    (where / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 2,
+        "intermediate_size": 2, "num_hidden_layers": 2, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "hidden_act": "silu", "max_position_embeddings": 64, "tie_word_embeddings": False}))
+    return str(where)
+
+
+@pytest.mark.parametrize("compression, streamed", [("int8", False), ("fp8", True), ("bf16", True)])
+def test_torchrun_rings_of_odd_sizes_and_more_nodes_than_chunks_equal_the_simulated_cluster(tmp_path, cache_dir,
+                                                                                            compression, streamed):
+    """Issue 43: one trainer of 4 nodes on a model whose entry count is not a multiple of 4 and spans fewer
+    1024-entry chunks than nodes, compressed, whole and streamed: the same numbers as the simulated cluster, and
+    the collectives send what the accounting says."""
+    args = [*RUN, "num_init_trainers=1", "merge_frequency=0", "num_outer_steps=2", f"outer_compression={compression}",
+            f"model_config.name={odd_model(tmp_path / 'odd')}", f"cache_dir={cache_dir}", f"log_dir={tmp_path}",
+            "cpu_threads=1", *(["num_inner_steps=4", "sync_fragments=2", "sync_delay=1"] if streamed else [])]
+    _, expected, got = _simulated_then_torchrun(tmp_path, args, merges=None)
+    numel = expected["weight_bytes"] // 4
+    assert numel % 4 == 2 and -(-numel // 1024) < 4
+    for key in ("allreduce_bytes", "bytes_communicated", "statistics_bytes", "syncs"):
+        assert got[key] == expected[key], key
+    assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"] > 0
+    if not streamed:  # by hand: 2 rounds of a ring of 4, each 2 x 3 x C (C: the int8 payload, a scale per chunk)
+        assert expected["allreduce_bytes"] == 2 * 2 * 3 * (numel + 4 * -(-numel // 1024))
 
 
 @pytest.mark.parametrize("algo", ["DDP", "SNOO"])

@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -350,6 +351,26 @@ def test_a_stop_inside_a_threaded_round_resumes_exactly(reference, tmp_path, cac
     assert_same_run(reference, run_dir)
 
 
+def test_a_new_run_stopped_during_set_up_says_it_has_nothing_to_resume(tmp_path, tiny_config, monkeypatch):
+    """SIGINT while the data loads: the console line and status.json agree that there is nothing to resume (no
+    checkpoints were promised), and a later run may take the same run_name."""
+    import fabrics.corpus
+    from utils.signals import StopRequested, StopSignals
+
+    def interrupted(cfg):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler raises StopRequested: training has not started
+        raise AssertionError("the signal did not stop the run")
+
+    monkeypatch.setattr(fabrics.corpus, "load_corpus", interrupted)
+    stop = StopSignals()
+    with pytest.raises(StopRequested):
+        train(tiny_config("run_name=early"), None, stop)
+    status = json.loads((tmp_path / "logs" / "early" / "status.json").read_text())
+    assert status["state"] == "stopped" and status["signal"] == "SIGINT" and not status["resumable"]
+    assert status["message"] == "stopped by SIGINT before training started; nothing to resume"
+    assert status["checkpoint"] is None and status["exit_code"] == 130
+
+
 @pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
 def test_a_second_signal_exits_at_once(tmp_path, signum, name):
     script = tmp_path / "twice.py"
@@ -549,6 +570,39 @@ def test_verification_says_what_is_wrong(tmp_path):
     (tmp_path / "outer_step_0003").mkdir()
     with pytest.raises(UserError, match="outer_step_0003 is incomplete"):
         verify(tmp_path / "outer_step_0003")
+
+
+@pytest.mark.parametrize("damage", ["broken", "missing"])
+def test_a_newer_checkpoint_without_a_readable_manifest_is_reported_not_passed_over(tmp_path, damage):
+    """Issue 43: a newer checkpoint whose manifest is unreadable or gone counts by its name, so the resume from the
+    older one lists it (the run's log and console say so) instead of falling back in silence."""
+    older = write(tmp_path, "outer_step_0001", 1.0)
+    write(tmp_path, "outer_step_0002", 2.0, step=2)
+    manifest = tmp_path / "outer_step_0002" / "manifest.json"
+    manifest.write_text("{not json") if damage == "broken" else manifest.unlink()
+    chosen = latest_checkpoint(tmp_path, "hash")
+    assert chosen.path == older
+    expected = "is damaged (not a checkpoint manifest)" if damage == "broken" else "is incomplete (no manifest.json"
+    (skipped,) = chosen.skipped
+    assert "outer_step_0002" in skipped and expected in skipped
+    assert latest_checkpoint(tmp_path, "hash").skipped  # reported on every resume until it is removed
+
+
+def test_a_resume_that_skips_a_damaged_newer_checkpoint_says_so_in_the_run_log(tmp_path, tiny_config):
+    """The newest (final, after step 2) with a broken manifest, the one before it without one: the resume starts
+    after step 1 and the run's log names both."""
+    run_dir, _ = train(tiny_config("run_name=skips", "num_outer_steps=2", "save_weights_every=1"))
+    weights = run_dir / "model_weights"
+    (weights / "final" / "manifest.json").write_text("{not json")
+    shutil.copytree(weights / "final", weights / "outer_step_0002")  # as if written apart, then damaged
+    (weights / "outer_step_0002" / "manifest.json").unlink()
+    cfg, checkpoint = resume_config(run_dir, [], None)
+    assert checkpoint.outer_step == 1
+    train(cfg, (run_dir, checkpoint))
+    log = (run_dir / "training_log.log").read_text()
+    for label in ("final", "outer_step_0002"):
+        assert f"WARNING run: resume: skipped a damaged newer checkpoint: {run_dir / 'model_weights' / label}" in log
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"
 
 
 def test_a_full_disk_ends_in_one_line_and_keeps_the_checkpoint(tmp_path, tiny_config):

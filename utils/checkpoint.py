@@ -19,10 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ class Checkpoint:
     path: Path
     outer_step: int
     manifest: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints found damaged (latest_checkpoint)
 
     def trainer_weights(self, trainer_id: int) -> dict[str, torch.Tensor]:
         return load_trainer_weights(self.path / f"trainer_{trainer_id}.safetensors")
@@ -276,26 +278,38 @@ def verify_part(path: Path) -> Path | None:
 
 
 def latest_checkpoint(weights_dir: Path, config_hash: str | tuple[str, ...]) -> Checkpoint:
-    """The newest complete checkpoint; damaged newer ones are reported and skipped."""
+    """The newest complete checkpoint; the damaged newer ones are listed in its `skipped` (the run reports them).
+    A checkpoint whose manifest is missing or unreadable still counts by its name (outer_step_NNNN; final is the
+    newest), so a damaged newer one is reported, never passed over in silence."""
     candidates = []
     for path in weights_dir.iterdir() if weights_dir.is_dir() else []:
         if path.is_dir() and not path.name.startswith("."):
             try:
                 step = int(json.loads((path / MANIFEST).read_text())["outer_step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                step = -1  # incomplete or damaged: verified (and reported) last
+            except (OSError, ValueError, KeyError, TypeError):  # incomplete or damaged: its name says its place
+                step = _step_of_name(path.name)
             candidates.append((step, path.name == "final", path))
     problems = []
     for _, _, path in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
         try:
-            return verify(path, config_hash)
+            checkpoint = verify(path, config_hash)
         except UserError as exc:
             if isinstance(exc, ConfigMismatch):
                 raise
             problems.append(str(exc).removeprefix("checkpoint: "))
-            log.warning("skipping %s", exc)
+            continue
+        checkpoint.skipped = problems
+        return checkpoint
     detail = f": {'; '.join(problems)}" if problems else ""
     raise UserError(f"--resume: no complete checkpoint in {weights_dir}{detail}")
+
+
+def _step_of_name(name: str) -> float:
+    """outer_step_0004 -> 4; final -> after every step; anything else -> before every checkpoint."""
+    if name == "final":
+        return math.inf
+    prefix, _, digits = name.rpartition("_")
+    return int(digits) if prefix == "outer_step" and digits.isdigit() else -1
 
 
 def load_trainer_weights(path: str | Path) -> dict[str, torch.Tensor]:

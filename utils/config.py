@@ -307,9 +307,11 @@ class Config:
                             "trainer and node) or skip (drop that node's contribution for the round, log it in "
                             "fault_events.csv and go on).", choices=("stop", "skip"), resume=True)
     inject_fault: str = _f("", "Testing aid: faults to cause on purpose, '<outer_step>:<node_id>:<kind>' with kind "
-                           "nan (the node's loss becomes NaN), error (the node raises) or hang (the node waits "
-                           "until the run is stopped: under torchrun the other ranks end it after dist_timeout_s), "
-                           "comma-separated; empty = none.", resume=True)
+                           "nan (the node's loss becomes NaN), error (the node raises: a node fault, on_node_fault "
+                           "decides), hang (the node waits until the run is stopped: under torchrun the other ranks "
+                           "end it after dist_timeout_s) or crash (the node's process raises outside the fault "
+                           "policy, as a bug would: the run ends with an internal error), comma-separated; empty = "
+                           "none.", resume=True)
 
     def __post_init__(self) -> None:
         for check in SECTION_CHECKS.values():  # the cross-key checks, one function per section (below)
@@ -403,7 +405,7 @@ class Config:
 # versions ran (and wrote no hash entry for), so those checkpoints stay resumable and today's default, which
 # computes something else, gets a hash of its own. statistics_comm: fp64 until 2026-11-25, then minimal.
 HASH_DEFAULTS = {"statistics_comm": "fp64"}
-FAULT_KINDS = ("nan", "error", "hang")
+FAULT_KINDS = ("nan", "error", "hang", "crash")
 # what a run directory holds besides its log file (docs/observing.md: "What a run shows and leaves")
 RUN_DIR_ENTRIES = frozenset({"config.yaml", "metrics.jsonl", "summary.json", "model_weights", "model_training_report",
                              "memory_report", "tensorboard", "clearml_task.json", "run.lock", "status.json"})
