@@ -188,11 +188,12 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
 
 
 def with_rank(line: str) -> str:
-    """Under torchrun every process prints its own line on one terminal: each says which rank it is."""
+    """Under torchrun every process prints its own line on one terminal: each says which rank it is (but for what
+    the ranks agreed on together, `error: torchrun: ...`, the same line on every rank)."""
     from distributed.torchrun import from_environ
 
     env = from_environ()
-    if env is None or not line.startswith("error: ") or line.startswith("error: rank "):
+    if env is None or not line.startswith("error: ") or line.startswith(("error: rank ", "error: torchrun:")):
         return line
     return f"error: rank {env.rank}: {line.removeprefix('error: ')}"
 
