@@ -184,7 +184,8 @@ class RunSession:
         status.json records it (rank 0). A rank's own error is the group's first cause (distributed/liveness.py)."""
         from distributed.liveness import GroupFailure
 
-        own = not isinstance(exc, (RunStopped, GroupFailure)) and isinstance(exc, Exception)
+        # a node fault (TrainingFault) and a stop are decided by every rank together: no rank's own
+        own = not isinstance(exc, (RunStopped, GroupFailure, TrainingFault)) and isinstance(exc, Exception)
         if isinstance(exc, RunStopped):
             exc.run_dir = self.run_dir
             log.warning("%s; resume with: python run.py --resume %s", exc, self.run_dir, extra=FILE_ONLY)
