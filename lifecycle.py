@@ -196,7 +196,7 @@ class RunSession:
         if own and self.env is not None:
             from distributed import torchrun
 
-            torchrun.record_cause(ending_of(exc)[2])
+            torchrun.record_cause(self.env.rank, ending_of(exc)[2])
         if self.writes:
             record_ending(self.run_dir, exc, resumed=self.checkpoint is not None)
 

@@ -156,14 +156,13 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def record_cause(line: str) -> None:
+def record_cause(rank: int, line: str) -> None:
     """This rank ends by an error of its own: the group's first cause, for the other ranks' lines and status.json
     (distributed/liveness.py)."""
     from distributed.liveness import record_cause as record
 
-    env = from_environ()
-    if _STORE is not None and env is not None:
-        record(_STORE, env.rank, line)
+    if _STORE is not None:
+        record(_STORE, rank, line)
 
 
 def shared_run_dir(env: DistEnv, claim: Callable[[], tuple[Path, Any]]) -> tuple[Path, Any]:
