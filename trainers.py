@@ -370,6 +370,7 @@ class DiLoCoTrainer(Trainer):
     @staticmethod
     def inner_optimizer_factory(cfg: Config):
         def make(params):
+            params = list(params)  # a generator (model.parameters()) would be half-consumed by the check below
             # CUDA: the fused kernel (one launch for all parameters); CPU: the default foreach path
             fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
             return torch.optim.AdamW(params, lr=cfg.lr_inner, betas=tuple(cfg.inner_betas),

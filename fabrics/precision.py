@@ -45,8 +45,10 @@ PRECISIONS = {
 
 
 def build_precision(name: str) -> Precision:
-    """The precision `name`; tf32 also switches CUDA matmuls and cuDNN convolutions to TensorFloat-32."""
-    if name == "tf32" and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    """The precision `name`; tf32 switches CUDA matmuls and cuDNN convolutions to TensorFloat-32, and every other
+    precision switches them back. The switches are global to the process: one run or benchmark variant in tf32
+    once left them on for every later fp32 run in the same process (the first GPU check, 2026-11-26, compared a
+    compiled fp32 run against eager fp32 that way, and timed benchmarks.system's fp32 rounds in tf32)."""
+    torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+    torch.backends.cudnn.allow_tf32 = name == "tf32"
     return PRECISIONS[name]

@@ -268,6 +268,40 @@ def test_the_probe_never_allocates_past_its_budget(monkeypatch, tiny_config):
     assert max(measured) == 11 and all(static + real(model, cfg.seq_len, b) <= budget for b in measured)
 
 
+def test_the_probe_counts_the_optimizer_state_of_every_parameter(tiny_config):
+    """The probes hand the optimizer factory model.parameters(), a generator: every parameter gets its AdamW
+    state. By hand, n fp32 numbers in t tensors: parameters, gradients, exp_avg and exp_avg_sq (16 n bytes) and
+    one fp32 step count per tensor (4 t). The factory once read the generator to pick the fused kernel and
+    handed AdamW what was left: no state for the first tensor (the embedding), and on CUDA no parameters at all
+    (found by the first GPU check, 2026-11-26)."""
+    import utils.max_batch_calculator as mbc
+    from fabrics.models import build_model
+    from trainers import DiLoCoTrainer
+
+    cfg = tiny_config()
+    model = build_model(cfg, 512, 1)
+    make_optimizer = DiLoCoTrainer.inner_optimizer_factory(cfg)
+    params = list(model.parameters())
+    n, t = sum(p.numel() for p in params), len(params)
+    assert mbc._static_bytes(model, make_optimizer, cfg.seq_len) == 16 * n + 4 * t
+    optimizer = make_optimizer(p for p in params)
+    assert [p for group in optimizer.param_groups for p in group["params"]] == params
+
+
+def test_the_cuda_probe_predicts_a_candidate_from_the_two_largest_batches_measured():
+    """By hand, on the peaks (MB above the start) the first GPU check measured for the 0.87M-parameter model:
+    flat from 1 to 2 (the optimizer step dominates), then 1.7 MB per sequence. From 8 and 16 the line
+    puts 64 at 37.5 + 48 x 13.5 / 8 = 118.5 MB, over a 67 MB budget, so it is not run; the line through 1 and 2
+    (14.0 + 63 x 0.1 = 20.3) had let it run, at 120 MB."""
+    from utils.max_batch_calculator import extrapolated_peak
+
+    peaks = {1: 14.0, 2: 14.1, 4: 17.2, 8: 24.0, 16: 37.5}
+    assert extrapolated_peak({}, 1) == 0.0 and extrapolated_peak({1: 14.0}, 2) == 0.0  # run before two are known
+    assert extrapolated_peak(peaks, 4) == pytest.approx(14.1 + 0.1 * 2)
+    assert extrapolated_peak(peaks, 64) == pytest.approx(37.5 + 48 * 13.5 / 8)
+    assert extrapolated_peak(peaks, 12) == pytest.approx(24.0 + 4 * 6.8 / 4)  # between: from 4 and 8, below it
+
+
 # ----------------------------------------------------------------------------------------------
 # Data
 

@@ -78,9 +78,13 @@ def test_fp16_scaler_skips_an_overflowing_step(tiny_config):
 
 
 def test_compile_matches_eager_on_cuda(cuda_fp32_run, tiny_config):
+    """fp32 both. The first GPU check (H100, 2026-11-26) failed this at one step in 32 (0.9%): the compiled run
+    came after the tf32 test in the same process and inherited its TensorFloat-32 switch; every precision now
+    sets the switch (tests/test_precision.py checks it on CPU)."""
     run_dir, _ = train(tiny_config(*LONGER, "compile=true", "run_name=compiled"))
     compiled, eager = step_losses(run_dir), step_losses(cuda_fp32_run[0])
-    assert len(compiled) == len(eager) and all(abs(a - b) <= 1e-3 * b for a, b in zip(compiled, eager))
+    differences = [abs(a - b) / b for a, b in zip(compiled, eager)]
+    assert len(compiled) == len(eager) and max(differences) <= 1e-3, ", ".join(f"{d:.1e}" for d in differences)
 
 
 def test_fused_adamw_matches_the_reference_adamw(tiny_config):

@@ -36,8 +36,8 @@ def recorded_result() -> dict:
                             "error: rank 1: a collective failed (ncclInvalidUsage | Duplicate GPU detected)"),
              gpu_check.Step("system", "benchmarks.system", 240, True, 200.0, {
                  "preset": "microllama-300m", "seq_len": 512,
-                 "inner": {"bf16": {"tokens_per_s": 109999.0, "engine_over_plain": 0.97, "mfu_datasheet": 0.25},
-                           "bf16+compile": {"tokens_per_s": 186481.0, "engine_over_plain": 0.93,
+                 "inner": {"bf16": {"tokens_per_s": 109999.0, "engine_speed_over_plain": 0.97, "mfu_datasheet": 0.25},
+                           "bf16+compile": {"tokens_per_s": 186481.0, "engine_speed_over_plain": 0.93,
                                             "mfu_datasheet": 0.38}},
                  "end_to_end": {"variant": "fp32", "tokens_per_s": 10300.0, "over_node_loop": 0.45}})]
     return {"started": "2026-11-22 10:00", "budget_s": 480.0, "used_s": 273.2,
@@ -49,8 +49,8 @@ def recorded_result() -> dict:
 def test_the_report_says_what_ran_what_failed_and_which_targets_were_met(tmp_path):
     result = recorded_result()
     targets = result["targets"]
-    assert targets["engine_over_plain_bf16_compile"] == {"what": "engine node loop / plain loop, bf16 + compile",
-                                                         "target": 0.9, "measured": 0.93, "met": True}
+    assert targets["engine_speed_over_plain_bf16_compile"] == {
+        "what": "engine node loop / plain loop tokens/s, bf16 + compile", "target": 0.9, "measured": 0.93, "met": True}
     assert targets["mfu_bf16_compile"]["met"] is False and targets["end_to_end_over_node_loop"]["met"] is False
     json_path, md_path = gpu_check.write_report(result, tmp_path)
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(result))
@@ -65,6 +65,19 @@ def test_the_report_says_what_ran_what_failed_and_which_targets_were_met(tmp_pat
     assert "| microllama-300m MFU, bf16 + compile (datasheet peak) | 0.38 | >= 0.4 | NO |" in text
     assert "| bf16+compile | 186481 | 0.930 | 0.38 |" in text
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_engine_slower_than_the_plain_loop_misses_the_target():
+    """benchmarks.system's record of the first GPU check (H100, 2026-11-26): bf16 + compile, the engine's 10 steps
+    in 0.3677 s, the plain loop's in 0.2736 s: 0.744x its speed, under 0.9x."""
+    from benchmarks.system import inner_record
+
+    record = inner_record({"engine_s": 0.3677, "plain_s": 0.2736, "tokens": 40960})
+    assert record["engine_speed_over_plain"] == pytest.approx(0.2736 / 0.3677)
+    assert record["tokens_per_s"] == pytest.approx(40960 / 0.3677)
+    steps = [gpu_check.Step("system", "benchmarks.system", 240, True, 81.0, {"inner": {"bf16+compile": record}})]
+    target = gpu_check.targets_of(steps)["engine_speed_over_plain_bf16_compile"]
+    assert target["measured"] == pytest.approx(0.744, abs=1e-3) and target["met"] is False
 
 
 def test_a_step_that_did_not_run_leaves_its_targets_unmeasured():

@@ -83,6 +83,20 @@ def test_fp16_node_step_unscales_gradients_and_skips_an_overflow(tiny_config):
     assert node.scaler.get_scale() == 32768.0
 
 
+def test_every_precision_sets_the_tf32_switches_so_none_leaks_into_a_later_run():
+    """The switches are global to a process; a tf32 run (or benchmark variant) once left them on for the fp32 runs
+    after it in the same process, as the first GPU check found. Flags only: this holds on CPU too."""
+    from fabrics.precision import build_precision
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for name, expected in [("tf32", True), ("fp32", False), ("tf32", True), ("bf16", False), ("fp16", False)]:
+            assert build_precision(name) is PRECISIONS[name]
+            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (expected, expected)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_compile_gives_the_eager_losses(fp32_run, tiny_config):
     run_dir, summary = train(tiny_config(*LONGER, "compile=true", "run_name=compiled"))
     eager = step_losses(fp32_run[0])
