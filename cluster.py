@@ -352,7 +352,7 @@ class ClusterController:
             summary["fragment_bytes"] = list(self.sizes.fragment_bytes)
         if not self.driver.outer_sync.exact:  # how the encoded payloads travelled (runs before the ring: gathered)
             summary["compressed_sync"] = "ring" if self.driver.outer_sync.ring else "all_gather"
-        if sent is not None:  # weights == bytes_communicated: the accounting is what was sent
+        if sent is not None:  # weights == weights_traffic_bytes: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent
         if not math.isfinite(scores[final_id]):
             log.warning("final %s is not finite", self.evaluator.metric)

@@ -303,9 +303,9 @@ def record_ending(run_dir: Path, exc: BaseException, resumed: bool) -> None:
 def sent_line(summary: dict) -> str:
     """What the run sent, as its final line says it: the bytes its method needs (weights, and the batch test's
     statistics when it decides with them), and statistics sent for the log only apart."""
-    line = f"{summary['bytes_needed'] / 1e6:.1f} MB communicated"
+    line = f"{summary['total_traffic_bytes'] / 1e6:.1f} MB communicated"
     if summary["statistics_bytes"]:
-        line += (f" ({summary['bytes_communicated'] / 1e6:.1f} MB weights + {summary['statistics_bytes'] / 1e6:.1f} "
+        line += (f" ({summary['weights_traffic_bytes'] / 1e6:.1f} MB weights + {summary['statistics_bytes'] / 1e6:.1f} "
                  "MB batch-test statistics)")
     if summary["logged_statistics_bytes"]:
         line += f"; {summary['logged_statistics_bytes'] / 1e6:.1f} MB of statistics for the log only, not counted"

@@ -22,11 +22,14 @@ merge_bytes         the absorbed trainers' fp32 weights (and outer momentum, whe
 node_move_bytes     a node that starts a round from weights it does not hold (it joined another trainer,
                     or its trainer was merged on another node) receives them: P. The common initial
                     weights are not counted.
-bytes_communicated  allreduce_bytes + merge_bytes + node_move_bytes.
+weights_traffic_bytes  allreduce_bytes + merge_bytes + node_move_bytes: the weights' traffic (files written
+                    before 2026-11-26 call it bytes_communicated).
 statistics_bytes    the batch tests' two reductions per trainer and round (2 (n-1) x each node's payload), in
                     the precision the run sent them (statistics_comm), when the batch test decides with them.
-bytes_needed        bytes_communicated + statistics_bytes: the traffic a method needs for its own decisions
-                    (AdLoCo's batch test included). Byte budgets, bytes columns and plots count this.
+total_traffic_bytes weights_traffic_bytes + statistics_bytes: the traffic a method needs for its own decisions
+                    (AdLoCo's batch test included), what a run's final line calls "MB communicated". Byte
+                    budgets, bytes columns and plots count this (files written before 2026-11-26 call it
+                    bytes_needed).
 logged_statistics_bytes  the same reductions sent for the log only (log_batch_statistics with a batch schedule
                     that ignores them): shown apart, charged to no method, not priced by the clock.
 """
@@ -49,17 +52,17 @@ class Traffic:
     merge_bytes: int = 0
     node_move_bytes: int = 0
     node_moves: int = 0
-    statistics_bytes: int = 0  # the batch tests' reductions; not part of bytes_communicated (#7's weights traffic)
+    statistics_bytes: int = 0  # the batch tests' reductions; not part of weights_traffic_bytes
     logged_statistics_bytes: int = 0  # the same, sent for the log only: charged to no method
 
     @property
-    def bytes_communicated(self) -> int:
+    def weights_traffic_bytes(self) -> int:
         return self.allreduce_bytes + self.merge_bytes + self.node_move_bytes
 
     @property
-    def bytes_needed(self) -> int:
+    def total_traffic_bytes(self) -> int:
         """What the method sends for its own decisions: the weights traffic and the batch test's statistics."""
-        return self.bytes_communicated + self.statistics_bytes
+        return self.weights_traffic_bytes + self.statistics_bytes
 
     def trainer_sync(self, num_nodes: int, payload_bytes: int, gathered: bool = False, shard_flag_bytes: int = 0
                      ) -> None:
@@ -91,4 +94,5 @@ class Traffic:
 
     def row(self) -> dict[str, int]:
         """The counters as they appear in training_log.csv, summary.json and the trackers."""
-        return {**asdict(self), "bytes_communicated": self.bytes_communicated, "bytes_needed": self.bytes_needed}
+        return {**asdict(self), "weights_traffic_bytes": self.weights_traffic_bytes,
+                "total_traffic_bytes": self.total_traffic_bytes}

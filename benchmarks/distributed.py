@@ -6,7 +6,7 @@ Runs the same config twice, 2 nodes each: in one process (the simulation, nodes 
 `torchrun --standalone --nproc-per-node 2` (gloo, one node per process). Per round it reads the wall
 time from training_log.csv and, for torchrun, the seconds and bytes of rank 0's collectives per round
 (metrics.jsonl, comm/*) and what all ranks sent over the run (summary.json, bytes_sent_by_collectives)
-against the accounting's bytes_communicated. Both runs must take the same decisions; the script checks it.
+against the accounting's weights_traffic_bytes. Both runs must take the same decisions; the script checks it.
 """
 
 from __future__ import annotations
@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     comm_s = statistics.median(s for s, _ in busy)
     payload = statistics.median(mb for _, mb in busy)
     sent = result["summary"]["torchrun"]["bytes_sent_by_collectives"]
-    counted = result["summary"]["simulated"]["bytes_communicated"]
+    counted = result["summary"]["simulated"]["weights_traffic_bytes"]
     lines = [
         "| | simulated (1 process) | torchrun (2 processes, gloo) |", "|---|---|---|",
         f"| median wall time per round | {sim_round:.2f} s | {dist_round:.2f} s ({dist_round / sim_round:.2f}x) |",
         f"| whole command (start-up included) | {total['simulated']:.0f} s | {total['torchrun']:.0f} s |",
         f"| collectives per round that sends (rank 0, median of {len(busy)}) | - | {comm_s * 1000:.0f} ms, "
         f"{payload:.1f} MB sent ({payload / max(comm_s, 1e-9):.0f} MB/s) |",
-        f"| weights traffic over the run (all ranks) | {counted / 1e6:.1f} MB counted (`bytes_communicated`) | "
+        f"| weights traffic over the run (all ranks) | {counted / 1e6:.1f} MB counted (`weights_traffic_bytes`) | "
         f"{sent['weights'] / 1e6:.1f} MB sent |",
         f"| batch-test statistics over the run (all ranks) | - | {sent['statistics'] / 1e6:.1f} MB sent |",
         f"| same decisions | {'yes' if same else 'NO'} | |",

@@ -49,7 +49,7 @@ from algorithms.network import (  # noqa: F401  (the network model's names, for 
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import FLAG_BYTES
 from algorithms.traffic import ring_allreduce_bytes
-from training_logs.records import MergeEvent, TrainerRow, read_records
+from training_logs.records import MergeEvent, TrainerRow, read_records, value_of
 
 
 @dataclass
@@ -166,7 +166,7 @@ def _sync_bytes(run_config: dict, weight_bytes: int) -> int:
 
 
 def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork], int, int]:
-    """A finished run's rounds, the bytes P of its fp32 weights and the bytes_communicated they add up to.
+    """A finished run's rounds, the bytes P of its fp32 weights and the weights_traffic_bytes they add up to.
     statistics: the batch test's statistics, when it decides with them, as the run sent them (its live clock
     prices the same: a replay gives the run's own sim_time). Statistics sent for the log only are not priced.
 
@@ -221,7 +221,7 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
             if own:  # the merge is computed on the survivor's first node, which so holds the result
                 held[min(own)] = (m.survivor, version[m.survivor])
         rounds.append(work)
-    return rounds, weight_bytes, int(summary.get("bytes_communicated", 0))
+    return rounds, weight_bytes, int(value_of(summary, "weights_traffic_bytes", 0))
 
 
 def _infer_weight_bytes(by_step: dict[int, list[TrainerRow]]) -> int:

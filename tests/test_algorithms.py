@@ -406,7 +406,7 @@ def test_traffic_counts_only_cross_node_syncs():
     traffic.statistics(3, 10, for_the_log=True)  # sent for the log only: apart, charged to no method
     assert traffic.row() == {"rounds": 0, "syncs": 2, "allreduce_bytes": 4000, "merge_bytes": 2000,
                              "node_move_bytes": 1000, "node_moves": 1, "statistics_bytes": 200,
-                             "logged_statistics_bytes": 40, "bytes_communicated": 7000, "bytes_needed": 7200}
+                             "logged_statistics_bytes": 40, "weights_traffic_bytes": 7000, "total_traffic_bytes": 7200}
 
 
 def test_a_compressed_sync_counts_an_all_gather_of_the_payload():

@@ -119,7 +119,7 @@ def network_model_is_checked(out, table, report, tmp_path, cache_dir):
         run_dir = out / "runs" / f"{name}_seed0"
         summary = json.loads((run_dir / "summary.json").read_text())
         rounds, weight_bytes, communicated = read_rounds(run_dir)
-        assert weight_bytes == summary["weight_bytes"] > 0 and communicated == summary["bytes_communicated"]
+        assert weight_bytes == summary["weight_bytes"] > 0 and communicated == summary["weights_traffic_bytes"]
         assert accounted_bytes(rounds, weight_bytes) == communicated
         assert sum(t.tokens for w in rounds for t in w.trainers) == summary["tokens_seen"]
     adloco_rounds = read_rounds(out / "runs" / "adloco_seed0")[0]

@@ -214,10 +214,10 @@ def test_torchrun_four_processes_equal_the_simulated_cluster(simulated, tmp_path
     # (send/recv of exactly the trainer state), summed over the ranks.
     expected, got = (json.loads((d / "summary.json").read_text()) for d in (simulated, tmp_path / "dist"))
     assert expected["node_move_bytes"] > 0 and expected["merge_bytes"] > 0 and expected["allreduce_bytes"] > 0
-    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes"):
+    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "weights_traffic_bytes", "statistics_bytes"):
         assert got[key] == expected[key], key
     sent = got["bytes_sent_by_collectives"]
-    assert sent["weights"] == got["bytes_communicated"]
+    assert sent["weights"] == got["weights_traffic_bytes"]
     # the minimal statistics (the default): what the collectives sent is what was accounted
     assert sent["statistics"] == got["statistics_bytes"] > 0 and sent["checkpoint"] > 0
 
@@ -463,10 +463,10 @@ def test_torchrun_with_compressed_sync_and_sketched_statistics_equals_the_simula
     # thread count out of this test process.
     args = [*RUN, *COMPRESSED, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
     expected_dir, expected, got = _simulated_then_torchrun(tmp_path, args)
-    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes"):
+    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "weights_traffic_bytes", "statistics_bytes"):
         assert got[key] == expected[key], key
     sent = got["bytes_sent_by_collectives"]
-    assert sent["weights"] == got["bytes_communicated"] and sent["statistics"] == got["statistics_bytes"] > 0
+    assert sent["weights"] == got["weights_traffic_bytes"] and sent["statistics"] == got["statistics_bytes"] > 0
     # each sync is a ring of the int8 payload's shards (an fp32 scale per 1024 entries): 2 (n-1) x C, by hand
     numel = expected["weight_bytes"] // 4
     payload = numel + 4 * -(-numel // 1024)
@@ -491,11 +491,11 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
 
     args = [*RUN, *STREAMED, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
     expected_dir, expected, got = _simulated_then_torchrun(tmp_path, args)
-    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes",
+    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "weights_traffic_bytes", "statistics_bytes",
                 "syncs"):
         assert got[key] == expected[key], key
     sent = got["bytes_sent_by_collectives"]
-    assert sent["weights"] == got["bytes_communicated"] and sent["statistics"] == got["statistics_bytes"] > 0
+    assert sent["weights"] == got["weights_traffic_bytes"] and sent["statistics"] == got["statistics_bytes"] > 0
     # by hand: per round, each fragment's int8 payload C (a scale per 1024) in a ring, each of the n shard messages
     # of each half with its sender's 4 flag bytes: 2 (n-1) x (C + 4 n)
     model = build_model(load_config(expected_dir / "config.yaml"), 512, 0)
@@ -508,7 +508,7 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
     # and the network model reads the same bytes back, fragment by fragment
     rounds, weight_bytes, communicated = read_rounds(expected_dir)
     assert all(t.fragment_bytes and t.overlap_steps == 1 for w in rounds for t in w.trainers)
-    assert accounted_bytes(rounds, weight_bytes) == communicated == expected["bytes_communicated"]
+    assert accounted_bytes(rounds, weight_bytes) == communicated == expected["weights_traffic_bytes"]
 
 
 def test_eight_processes_with_an_int8_ring_equal_the_simulated_cluster_and_send_what_is_accounted(tmp_path,
@@ -521,7 +521,8 @@ def test_eight_processes_with_an_int8_ring_equal_the_simulated_cluster_and_send_
     numel = expected["weight_bytes"] // 4
     payload = numel + 4 * -(-numel // 1024)
     assert got["allreduce_bytes"] == expected["allreduce_bytes"] == 2 * 2 * 7 * payload  # 2 rounds
-    assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"] == expected["bytes_communicated"]
+    weights = got["bytes_sent_by_collectives"]["weights"]
+    assert weights == got["weights_traffic_bytes"] == expected["weights_traffic_bytes"]
     assert expected["allreduce_bytes"] <= 0.30 * 2 * 2 * 7 * expected["weight_bytes"]
 
 
@@ -548,9 +549,9 @@ def test_torchrun_rings_of_odd_sizes_and_more_nodes_than_chunks_equal_the_simula
     _, expected, got = _simulated_then_torchrun(tmp_path, args, merges=None)
     numel = expected["weight_bytes"] // 4
     assert numel % 4 == 2 and -(-numel // 1024) < 4
-    for key in ("allreduce_bytes", "bytes_communicated", "statistics_bytes", "syncs"):
+    for key in ("allreduce_bytes", "weights_traffic_bytes", "statistics_bytes", "syncs"):
         assert got[key] == expected[key], key
-    assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"] > 0
+    assert got["bytes_sent_by_collectives"]["weights"] == got["weights_traffic_bytes"] > 0
     if not streamed:  # by hand: 2 rounds of a ring of 4, each 2 x 3 x C (C: the int8 payload, a scale per chunk)
         assert expected["allreduce_bytes"] == 2 * 2 * 3 * (numel + 4 * -(-numel // 1024))
 
@@ -565,9 +566,9 @@ def test_torchrun_ddp_and_snoo_equal_the_simulated_cluster(tmp_path, cache_dir, 
             f"log_dir={tmp_path}", "cpu_threads=1"]
     expected_dir, expected, got = _simulated_then_torchrun(tmp_path, args, merges=None)
     assert expected["merges"] == 1
-    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "bytes_communicated", "statistics_bytes",
+    for key in ("allreduce_bytes", "merge_bytes", "node_move_bytes", "weights_traffic_bytes", "statistics_bytes",
                 "syncs"):
         assert got[key] == expected[key], key
-    assert got["bytes_sent_by_collectives"]["weights"] == got["bytes_communicated"]
+    assert got["bytes_sent_by_collectives"]["weights"] == got["weights_traffic_bytes"]
     nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]
     assert expected["allreduce_bytes"] == sum(3 * 2 * (n - 1) * expected["gradient_bytes"] for n in nodes if n > 1)

@@ -55,7 +55,7 @@ def test_tiny_run_end_to_end(tiny_config):
     assert [int(by_step[s]["rounds"]) for s in "01234"] == [0, 1, 2, 3, 4]
     last = rows[-1]
     assert (int(last["allreduce_bytes"]), int(last["merge_bytes"]), int(last["node_move_bytes"])) == (4 * p, p, p)
-    assert int(last["bytes_communicated"]) == summary["bytes_communicated"] == 6 * p
+    assert int(last["weights_traffic_bytes"]) == summary["weights_traffic_bytes"] == 6 * p
     assert summary["syncs"] == 3 and summary["rounds"] == 4 and summary["node_moves"] == 1
     # the merged model is evaluated right after the merge: the step-2 checkpoint holds exactly it
     with (run_dir / "model_training_report" / "merge_events.csv").open() as f:

@@ -71,7 +71,7 @@ def test_clearml_offline_session_holds_every_scalar_once(tmp_path, cache_dir):
                      ("requested_batch", "trainer_0"), ("loader_batch", "trainer_0"),
                      ("accumulation_steps", "trainer_0"), ("num_nodes", "trainer_0"), ("trainers_alive", "global"),
                      ("tokens_seen", "global"), ("syncs", "global"), ("rounds", "global"),
-                     ("bytes_communicated", "global"), ("val_perplexity_after", "merge"),
+                     ("weights_traffic_bytes", "global"), ("val_perplexity_after", "merge"),
                      ("val_perplexity_best_member", "merge"),
                      ("process_rss_mib", "memory_before_round"), ("process_rss_mib", "memory_round_peak")]:
         assert expected in pairs, expected
@@ -167,7 +167,7 @@ def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path)
             jsonl.log({"thread": float(t), "i": float(i)}, i)
             logger.log_step([{"outer_step": i, "trainer_id": t, "requested_batch": 1, "next_requested_batch": 1,
                               "accumulation_steps": 1, "train_loss": 1.0, "val_perplexity": 2.0, "global_tokens": 0,
-                              "syncs": 0, "bytes_communicated": 0}], None, 1)
+                              "syncs": 0, "weights_traffic_bytes": 0}], None, 1)
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     for th in pool:
@@ -271,3 +271,33 @@ def test_the_best_model_line_is_the_model_alive_after_each_merge(tmp_path):
     assert dict(zip(bold.get_xdata(), bold.get_ydata()))[6] == pytest.approx(432.32)
     communication = [line for line in drawn["val_perplexity_vs_communication.png"] if line.get_linewidth() == 2]
     assert len(communication) == 3 and all(line.get_ydata()[6] == pytest.approx(432.32) for line in communication)
+
+
+def test_older_files_are_read_and_resumed_under_the_traffic_names_that_say_what_they_count(tmp_path):
+    """summary.json and training_log.csv once called the weights' traffic bytes_communicated, while a run's final
+    line "MB communicated" also counts the batch test's statistics, and the total bytes_needed. Files of older
+    versions are read, and an older run is resumed, under weights_traffic_bytes and total_traffic_bytes."""
+    from lifecycle import sent_line
+    from training_logs.csv_files import start_csv
+    from training_logs.records import TrainerRow, columns, read_records, value_of
+
+    fixture = ROOT / "tests" / "fixtures" / "priced_runs" / "adloco_seed1"  # written before 2026-11-24
+    rows = read_records(fixture / "model_training_report" / "training_log.csv", TrainerRow)
+    summary = json.loads((fixture / "summary.json").read_text())
+    assert rows[-1].weights_traffic_bytes == summary["bytes_communicated"] > 0
+    assert value_of(summary, "weights_traffic_bytes") == summary["bytes_communicated"]
+    assert rows[-1].total_traffic_bytes is None  # no total in rows of that age: the readers add it up themselves
+    # the final line names the total; its parts are the summary's names
+    line = sent_line({"total_traffic_bytes": 7_200_000, "weights_traffic_bytes": 7_000_000,
+                      "statistics_bytes": 200_000, "logged_statistics_bytes": 0})
+    assert line == "7.2 MB communicated (7.0 MB weights + 0.2 MB batch-test statistics)"
+    # a run of the version before the rename, resumed from outer step 1: its rows carry over, renamed
+    old = tmp_path / "training_log.csv"
+    old.write_text("outer_step,trainer_id,bytes_communicated,statistics_bytes,bytes_needed\n"
+                   "0,0,0,0,0\n1,0,700,20,720\n2,0,1400,40,1440\n")
+    assert start_csv(old, columns(TrainerRow), resume_step=1) is None
+    kept = read_records(old, TrainerRow)
+    assert [(r.outer_step, r.weights_traffic_bytes, r.statistics_bytes, r.total_traffic_bytes) for r in kept] == \
+        [(0, 0, 0, 0), (1, 700, 20, 720)]
+    header = old.read_text().splitlines()[0].split(",")
+    assert header == columns(TrainerRow) and "bytes_communicated" not in header

@@ -110,14 +110,14 @@ def test_ddp_sends_h_times_dilocos_weights_bytes_per_token_and_snoo_the_same(tmp
     weight_bytes, gradient_bytes = diloco["weight_bytes"], ddp["gradient_bytes"]
     assert gradient_bytes == 4 * (weight_bytes // 4 + 1)  # every floating tensor of microllama trains, and a count
     # 4 nodes in one trainer: a ring all-reduce is 2 (n-1) x payload; 2 rounds
-    assert diloco["bytes_communicated"] == 2 * 2 * 3 * weight_bytes
-    assert ddp["bytes_communicated"] == snoo["bytes_communicated"] == 2 * 3 * 2 * 3 * gradient_bytes
+    assert diloco["weights_traffic_bytes"] == 2 * 2 * 3 * weight_bytes
+    assert ddp["weights_traffic_bytes"] == snoo["weights_traffic_bytes"] == 2 * 3 * 2 * 3 * gradient_bytes
     assert ddp["syncs"] == 2 * 3 and diloco["syncs"] == 2
     # the network model reads the same bytes back and prices the run as its live clock did
     for algo in ("DDP", "DiLoCo"):
         run_dir, summary = runs[algo]
         rounds, weights, communicated = read_rounds(run_dir)
-        assert accounted_bytes(rounds, weights) == communicated == summary["bytes_communicated"]
+        assert accounted_bytes(rounds, weights) == communicated == summary["weights_traffic_bytes"]
         times, _ = timeline(rounds, parse_network("consumer"), load_config(None).node_tokens_per_s, weights)
         assert times[max(times)] == pytest.approx(summary["sim_time_s"], rel=1e-9)
     assert ddp["sim_time_s"] > diloco["sim_time_s"]  # H all-reduces of the same size on a consumer link

@@ -25,6 +25,8 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from matplotlib.transforms import offset_copy  # noqa: E402
 
+from training_logs.records import value_of  # noqa: E402
+
 
 def models_alive(metrics: Mapping[str, float], merge_events: Iterable[Mapping]) -> dict[str, float]:
     """The models that exist after an outer step, by trainer id: each trainer's metric as evaluated before the
@@ -152,10 +154,11 @@ def _plot_metric_per_trainer(run: _Run) -> list[Path]:
 
 
 def _counter(row: dict, key: str) -> float:
-    """A traffic counter of a training_log.csv row (rows before 2026-11-24 have no bytes_needed)."""
-    value = row.get(key)
-    if value in (None, "") and key == "bytes_needed":
-        value = row.get("bytes_communicated")
+    """A traffic counter of a training_log.csv row, under its old name in an older file (rows before 2026-11-24
+    have no total: their weights' traffic stands in)."""
+    value = value_of(row, key)
+    if value in (None, "") and key == "total_traffic_bytes":
+        value = value_of(row, "weights_traffic_bytes")
     return float(value or 0)
 
 
@@ -163,7 +166,7 @@ def _plot_communication(run: _Run) -> Path:
     """The cluster's model against what the cluster spent on communication (#7's counters)."""
     best, steps = run.best, run.steps
     counters = [("rounds", "rounds (outer steps)", 1.0), ("syncs", "syncs (cross-node all-reduces + merges)", 1.0),
-                ("bytes_needed", "MB communicated (weights + batch-test statistics)", 1e6)]
+                ("total_traffic_bytes", "MB communicated (weights + batch-test statistics)", 1e6)]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
     for ax, (key, x_label, scale) in zip(axes, counters):
         xs = [_counter(best[s][0], key) / scale for s in steps]

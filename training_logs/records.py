@@ -17,6 +17,20 @@ from typing import TypeVar
 Int = int | None
 Float = float | None
 
+# Columns (and summary.json keys) renamed since files were written, old name -> new: files of older versions are
+# read, and a run of an older version resumed, under the new names. The old names did not say what they counted
+# (bytes_communicated was the weights' traffic alone, while a run's final line "MB communicated" also counts the
+# batch test's statistics).
+RENAMED = {"bytes_communicated": "weights_traffic_bytes", "bytes_needed": "total_traffic_bytes"}
+_OLD_NAME = {new: old for old, new in RENAMED.items()}
+
+
+def value_of(values: dict, name: str, default=None):
+    """values[name], or the value under its old name in a file of an older version (RENAMED)."""
+    if name in values:
+        return values[name]
+    return values.get(_OLD_NAME.get(name, name), default)
+
 
 @dataclasses.dataclass
 class TrainerRow:
@@ -49,14 +63,15 @@ class TrainerRow:
     # the traffic so far, this step's merge included (algorithms/traffic.py)
     rounds: Int = None
     syncs: Int = None
-    bytes_communicated: Int = None
+    weights_traffic_bytes: Int = None  # allreduce + merge + node move bytes (older files: bytes_communicated)
     allreduce_bytes: Int = None
     merge_bytes: Int = None
     node_move_bytes: Int = None
     node_moves: Int = None
     statistics_bytes: Int = None
     logged_statistics_bytes: Int = None  # sent for the log only (rows written before 2026-11-24: in statistics_bytes)
-    bytes_needed: Int = None  # bytes_communicated + statistics_bytes (rows before 2026-11-24: absent)
+    total_traffic_bytes: Int = None  # weights_traffic_bytes + statistics_bytes (older files: bytes_needed; rows
+    # before 2026-11-24: absent)
     wall_time: Float = None
     trainers_alive: Int = None
     # the simulated clock (docs/clock.md)
@@ -158,7 +173,8 @@ def _parser(tp) -> type:
 
 def read_records(path: Path, record: type[Record]) -> list[Record]:
     """Every row of a CSV file written with `columns(record)`, typed; an empty cell is None. A column the record
-    does not know (a file of a newer version) is ignored; one it knows but the file lacks (an older file) is None."""
+    does not know (a file of a newer version) is ignored; one it knows but the file lacks (an older file) is None;
+    a renamed column is read under its old name (RENAMED)."""
     hints = typing.get_type_hints(record)
     parse = {name: _parser(hints[name]) for name in columns(record)}
     with path.open(newline="") as f:
@@ -167,7 +183,7 @@ def read_records(path: Path, record: type[Record]) -> list[Record]:
     for row in rows:
         values = {}
         for name, tp in parse.items():
-            cell = row.get(name)
+            cell = value_of(row, name)
             if cell is None or cell == "":
                 values[name] = None
             elif tp is int:

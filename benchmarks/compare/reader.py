@@ -48,9 +48,9 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
         curve.append({"step": step, "metric": alive[best], "tokens": last.global_tokens or 0,
                       "steps": step * inner_steps,  # optimizer steps in sequence (each node's, every round)
                       "batch": batch,  # the requested batch of the best model alive
-                      "rounds": last.rounds or 0, "syncs": last.syncs or 0, "bytes": bytes_needed(last, decides),
-                      "weights_bytes": last.bytes_communicated or 0,
-                      "statistics_bytes": bytes_needed(last, decides) - (last.bytes_communicated or 0),
+                      "rounds": last.rounds or 0, "syncs": last.syncs or 0, "bytes": total_traffic_bytes(last, decides),
+                      "weights_bytes": last.weights_traffic_bytes or 0,
+                      "statistics_bytes": total_traffic_bytes(last, decides) - (last.weights_traffic_bytes or 0),
                       "logged_statistics_bytes": logged_statistics(last, decides),
                       "wall": last.wall_time or 0.0, "sim_time": max(sim, default=0.0)})
     trained = [r for r in rows if r.outer_step != 0]
@@ -102,12 +102,13 @@ def _statistics_decide(config: dict) -> bool:
     return test is not None and test.uses_statistics
 
 
-def bytes_needed(row: TrainerRow, decides: bool) -> int:
+def total_traffic_bytes(row: TrainerRow, decides: bool) -> int:
     """The traffic the method needs for its own decisions: weights, and its batch test's statistics when it decides
-    with them (rows before 2026-11-24 have no bytes_needed and counted statistics for the log in statistics_bytes)."""
-    if row.bytes_needed is not None:
-        return row.bytes_needed
-    return (row.bytes_communicated or 0) + ((row.statistics_bytes or 0) if decides else 0)
+    with them (rows before 2026-11-24 have no total_traffic_bytes and counted statistics for the log in
+    statistics_bytes)."""
+    if row.total_traffic_bytes is not None:
+        return row.total_traffic_bytes
+    return (row.weights_traffic_bytes or 0) + ((row.statistics_bytes or 0) if decides else 0)
 
 
 def logged_statistics(row: TrainerRow, decides: bool) -> int:
