@@ -232,16 +232,16 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
 def write_curve(args, cfg, model, device: str, variant: str) -> int:
     """--curve: the throughput curve of `model` on `device`, written where the clock reads it."""
     from trainers import TRAINERS
-    from utils.max_batch_calculator import find_max_batch_size
+    from utils.max_batch_calculator import NodeShare, find_max_batch_size
     from utils.throughput import device_kind, measure_curve
 
     name, _ = parse_variant(variant)
     precision = build_precision(name)
     make_optimizer = TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg)
-    largest = args.curve_max_batch or find_max_batch_size(
-        model, make_optimizer, device, cfg.seq_len, padding_percentage=cfg.padding_percentage, nodes_per_gpu=1,
-        # device_memory_mb sizes a simulated CPU device; a GPU's curve runs up to what its free memory holds
-        device_memory_mb=0.0 if device.startswith("cuda") else cfg.device_memory_mb, upper=cfg.max_requested_batch)
+    # device_memory_mb sizes a simulated CPU device; a GPU's curve runs up to what its free memory holds
+    share = NodeShare(cfg.padding_percentage, 1, memory_mb=0.0 if device.startswith("cuda") else cfg.device_memory_mb)
+    largest = args.curve_max_batch or find_max_batch_size(model, make_optimizer, device, cfg.seq_len, share,
+                                                          upper=cfg.max_requested_batch)
     curve = measure_curve(model, make_optimizer, device, cfg.seq_len, largest, repeats=args.repeats,
                           autocast=lambda: precision.autocast(device))
     about = {"device": device_kind(device), "model": args.preset, "seq_len": cfg.seq_len, "precision": name,

@@ -22,7 +22,7 @@ from rounds import wire_size
 from trainers import Node
 from utils.config import Config
 from utils.errors import ConfigError, UserError
-from utils.max_batch_calculator import find_max_batch_size
+from utils.max_batch_calculator import NodeShare, find_max_batch_size
 from utils.model_state import float_state
 from utils.throughput import cached_curve, device_kind, measure_curve
 
@@ -60,12 +60,12 @@ def nodes_on_card(cfg: Config, device: str) -> int:
 def _probe(cfg: Config, model: torch.nn.Module, make_optimizer, device: str, key: int, spec, data: CorpusData) -> int:
     """The largest micro-batch a node of device `key` fits (utils/max_batch_calculator.py)."""
     try:
-        return find_max_batch_size(
-            model, make_optimizer, device, cfg.seq_len, padding_percentage=cfg.padding_percentage,
-            nodes_per_gpu=cfg.nodes_per_gpu,
-            device_memory_mb=spec.memory_mb if device.startswith("cuda") else spec.memory_mb or cfg.device_memory_mb,
-            upper=min(cfg.max_requested_batch, len(data.train)), num_cpu_devices=cfg.device_names.count("cpu"),
-            nodes_on_card=nodes_on_card(cfg, device))
+        share = NodeShare(
+            cfg.padding_percentage, cfg.nodes_per_gpu,
+            memory_mb=spec.memory_mb if device.startswith("cuda") else spec.memory_mb or cfg.device_memory_mb,
+            num_cpu_devices=cfg.device_names.count("cpu"), nodes_on_card=nodes_on_card(cfg, device))
+        return find_max_batch_size(model, make_optimizer, device, cfg.seq_len, share,
+                                   upper=min(cfg.max_requested_batch, len(data.train)))
     except UserError as exc:
         if not spec.memory_mb or device.startswith("cuda"):
             raise

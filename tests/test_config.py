@@ -265,3 +265,27 @@ def test_values_that_name_strings_stay_strings_on_the_command_line_and_in_files(
     path = tmp_path / "c.yaml"
     path.write_text("run_name: 2024-11-25\n")
     assert load_config(path).run_name == "2024-11-25"
+
+
+def test_every_registry_agrees_with_its_config_choices():
+    """A config string picks a class from a registry; the key's choices (what --help, the docs and the one-line
+    errors name) are written beside the key, so each pair must list the same names."""
+    import dataclasses
+
+    from algorithms.calc_batch import BATCH_TESTS, STATISTICS_WIRE
+    from algorithms.compression import COMPRESSORS, TopK
+    from algorithms.policies import MERGE_POLICIES
+    from algorithms.switch_mode import SWITCH_MODES
+    from fabrics.corpus import DATA_SOURCES
+    from fabrics.models import MODEL_TYPES
+    from fabrics.precision import PRECISIONS
+    from trainers import TRAINERS
+
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(Config)}
+    registries = {"distributed_algo": TRAINERS, "sampling_method": BATCH_TESTS, "statistics_comm": STATISTICS_WIRE,
+                  "outer_compression": COMPRESSORS, "merging_policy": MERGE_POLICIES, "switch_mode": SWITCH_MODES,
+                  "dataset": DATA_SOURCES, "model_type": MODEL_TYPES, "precision": PRECISIONS}
+    for key, registry in registries.items():
+        assert set(choices[key]) == set(registry), key
+    # merges average whole states: every compressor but top-k's sparse payloads
+    assert set(choices["merge_compression"]) == set(COMPRESSORS) - {TopK.name}

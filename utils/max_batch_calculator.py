@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -109,15 +110,33 @@ def default_device_memory_mb(num_cpu_devices: int) -> float:
     return min(0.5 * psutil.virtual_memory().available / MiB / max(num_cpu_devices, 1), DEFAULT_CPU_DEVICE_MB)
 
 
-def cuda_node_budget(free_bytes: int, padding_percentage: float, nodes_on_card: int, nodes_per_gpu: int,
-                     memory_mb: float = 0.0) -> float:
-    """Bytes one node of a simulated CUDA device may use: its share of the card's free memory among every node on
-    the card (several simulated devices may share one card, as the paper's 4 on one A100), and at most its share of
-    the simulated device's own memory_mb when that is given."""
-    budget = free_bytes * padding_percentage / nodes_on_card
-    if memory_mb:
-        budget = min(budget, memory_mb * MiB * padding_percentage / nodes_per_gpu)
-    return budget
+@dataclass(frozen=True)
+class NodeShare:
+    """How much of its device one node may use: padding_percentage of the device's memory, shared by the device's
+    nodes_per_gpu nodes. memory_mb: a CPU device's simulated memory (0: default_device_memory_mb, shared by
+    num_cpu_devices devices); on CUDA a cap on the simulated device (0: none). nodes_on_card (CUDA): every node of
+    the simulated devices on the same card, which share its free memory (0: nodes_per_gpu)."""
+    padding_percentage: float
+    nodes_per_gpu: int
+    memory_mb: float = 0.0
+    num_cpu_devices: int = 1
+    nodes_on_card: int = 0
+
+    def cpu_device_bytes(self) -> float:
+        return (self.memory_mb or default_device_memory_mb(self.num_cpu_devices)) * MiB
+
+    def cpu_bytes(self) -> float:
+        """Bytes one node of a simulated CPU device may use."""
+        return self.cpu_device_bytes() * self.padding_percentage / self.nodes_per_gpu
+
+    def cuda_bytes(self, free_bytes: int) -> float:
+        """Bytes one node of a simulated CUDA device may use: its share of the card's free memory among every node
+        on the card (several simulated devices may share one card, as the paper's 4 on one A100), and at most its
+        share of the simulated device's own memory_mb when that is given."""
+        budget = free_bytes * self.padding_percentage / (self.nodes_on_card or self.nodes_per_gpu)
+        if self.memory_mb:
+            budget = min(budget, self.memory_mb * MiB * self.padding_percentage / self.nodes_per_gpu)
+        return budget
 
 
 def extrapolated_peak(peaks: dict[int, float], batch: int) -> float:
@@ -134,14 +153,13 @@ def extrapolated_peak(peaks: dict[int, float], batch: int) -> float:
     return peaks[larger] + (peaks[larger] - peaks[smaller]) / (larger - smaller) * (batch - larger)
 
 
-def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, device: str,
-                   padding_percentage: float, nodes_per_gpu: int, upper: int, nodes_on_card: int = 0,
-                   memory_mb: float = 0.0) -> int:
+def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, device: str, share: NodeShare,
+                   upper: int) -> int:
     dev = torch.device(device)
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(dev).total_memory
     free, _ = torch.cuda.mem_get_info(dev)
-    budget = cuda_node_budget(free, padding_percentage, nodes_on_card or nodes_per_gpu, nodes_per_gpu, memory_mb)
+    budget = share.cuda_bytes(free)
     base = torch.cuda.memory_allocated(dev)
     probe = copy.deepcopy(model).to(dev)
     opt = make_optimizer(probe.parameters())
@@ -169,22 +187,19 @@ def cuda_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: in
     return _binary_search(fits, upper)  # the probe replica is freed when this frame ends
 
 
-def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int, *,
-                        padding_percentage: float, nodes_per_gpu: int, device_memory_mb: float, upper: int,
-                        num_cpu_devices: int = 1, nodes_on_card: int = 0) -> int:
-    """Largest micro-batch for one node of `device`; a UserError when not even one sequence fits.
-    nodes_on_card (CUDA): every node of the simulated devices on the same card, which share its free memory."""
+def find_max_batch_size(model: torch.nn.Module, make_optimizer: Callable, device: str, seq_len: int,
+                        share: NodeShare, upper: int) -> int:
+    """Largest micro-batch (at most `upper`) for one node of `device` given its share of the device's memory; a
+    UserError when not even one sequence fits."""
     log.info("%s: probing the largest micro-batch per node (up to %d sequences)", device, upper)
     if device.startswith("cuda"):
-        found = cuda_max_batch(model, make_optimizer, seq_len, device, padding_percentage, nodes_per_gpu, upper,
-                               nodes_on_card, device_memory_mb)
+        found = cuda_max_batch(model, make_optimizer, seq_len, device, share, upper)
         torch.cuda.empty_cache()
     else:
-        device_bytes = (device_memory_mb or default_device_memory_mb(num_cpu_devices)) * MiB
-        budget = device_bytes * padding_percentage / nodes_per_gpu
+        budget = share.cpu_bytes()
         found = cpu_max_batch(model, make_optimizer, seq_len, budget, upper)
         log.info("%s: simulated device of %.0f MiB, budget per node %.1f MiB -> max batch %d", device,
-                 device_bytes / MiB, budget / MiB, found)
+                 share.cpu_device_bytes() / MiB, budget / MiB, found)
     if found == 0:
         raise UserError(f"device_memory_mb: not even one sequence fits a node of {device}; raise device_memory_mb "
                         "(CPU) or padding_percentage, or lower nodes_per_gpu or seq_len")
