@@ -46,7 +46,7 @@ from fabrics.models import reinit_output_layers, replicate
 from fabrics.precision import build_precision
 from trainers import TRAINERS, RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
-from utils.checkpoint import Checkpoint, prune_checkpoints, save_checkpoint
+from utils.checkpoint import Checkpoint, FinalModel, prune_checkpoints, save_checkpoint
 from utils.config import Config
 from utils.errors import RunStopped, TrainingFault, UserError
 from utils.model_state import float_state
@@ -190,7 +190,7 @@ class ClusterController:
         """A checkpoint of the state after outer step last_outer_step."""
         step = self.state.last_outer_step
         label = label or f"outer_step_{step:04d}"
-        template = self.evaluator.model if final_id is not None else None
+        final = FinalModel(final_id, self.evaluator.model, self.data.tokenizer) if final_id is not None else None
         # under torchrun, rank 0 writes every trainer: those it does not hold come to it first
         self.backend.transfer([(t, self.state.holder(t), 0) for t in sorted(self.trainers)], self.trainers,
                               "checkpoint")
@@ -198,7 +198,7 @@ class ClusterController:
         path = self.weights_dir / label
         if self.writes:
             path = save_checkpoint(self.weights_dir, label, step, self.trainers, state, self.cfg.meaning_hash(),
-                                   template, self.data.tokenizer, final_id, config=self.cfg.meaning())
+                                   final, config=self.cfg.meaning())
             for old in prune_checkpoints(self.weights_dir, self.cfg.keep_checkpoints, path):
                 log.debug("keep_checkpoints: removed %s", old)
         self.state.checkpointed_step = step

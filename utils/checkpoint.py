@@ -117,11 +117,20 @@ def remove_stray_temporaries(weights_dir: Path) -> None:
                 os.replace(stray, target)
 
 
+@dataclass(frozen=True)
+class FinalModel:
+    """The chosen trainer of a final checkpoint, written as a Hugging Face directory (final_model/) through
+    `template`, a model of the run's architecture, with the run's tokenizer beside it when there is one."""
+    trainer_id: int
+    template: torch.nn.Module
+    tokenizer: object = None
+
+
 def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: dict, resume_state: dict | None,
-                    config_hash: str, template: torch.nn.Module | None = None, tokenizer=None,
-                    final_id: int | None = None, config: dict | None = None) -> Path:
+                    config_hash: str, final: FinalModel | None = None, config: dict | None = None) -> Path:
     """Write a complete checkpoint atomically; a CheckpointWriteError (previous one intact) if it cannot.
     config: the settings behind config_hash (Config.meaning), so a refused resume can name what changed."""
+    final_id = final.trainer_id if final is not None else None
     target = weights_dir / label
     tmp = weights_dir / f".{label}.tmp"
     old = weights_dir / f".{label}.old"
@@ -135,11 +144,11 @@ def save_checkpoint(weights_dir: Path, label: str, outer_step: int, trainers: di
             torch_save(trainer.state_dict(), tmp / f"trainer_{t}_state.pt")
         if resume_state is not None:
             torch_save(resume_state, tmp / RESUME_STATE)
-        if final_id is not None and template is not None:
-            load_float_state(template, trainers[final_id].master)
-            template.save_pretrained(tmp / "final_model")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / "final_model")
+        if final is not None:
+            load_float_state(final.template, trainers[final_id].master)
+            final.template.save_pretrained(tmp / "final_model")
+            if final.tokenizer is not None:
+                final.tokenizer.save_pretrained(tmp / "final_model")
         meta = {"label": label, "outer_step": outer_step, "trainers": sorted(trainers), "final_trainer": final_id}
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
         _fsync_tree(tmp)
