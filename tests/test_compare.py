@@ -487,7 +487,8 @@ def fake_run(tmp_path, name, seed, start, points):
     """A finished run as read_run gives it: (tokens, steps, sim_time, perplexity) per outer step."""
     run_dir = tmp_path / f"{name}_seed{seed}"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"initial_batch_size": start, "num_inner_steps": 10}))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"initial_batch_size": start, "num_inner_steps": 10,
+                                                         "network": "datacentre", "node_tokens_per_s": 1000}))
     curve = [{"tokens": t, "steps": s, "sim_time": c, "metric": m, "rounds": s // 10, "bytes": 100 * s,
               "weights_bytes": 60 * s, "statistics_bytes": 40 * s} for t, s, c, m in points]
     return {"run_dir": run_dir, "curve": curve, "final": points[-1][3], "best_seen": min(p[3] for p in points),
@@ -532,6 +533,12 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
     assert paper["adloco_paper"]["vs"] == "diloco_b1 (not in this report)"  # it starts at batch 1
     text = "\n".join(lines)
     assert "## The paper's comparison" in text and "H = 10 inner steps" in text and "| adloco | diloco_b2 |" in text
+    assert "on the runs' clock: datacentre network, a flat 1000 tokens/s per node)" in text
+    # re-priced runs (a throughput curve given as the clock's key): the times are that clock's, and the text says so
+    results["adloco"][0]["summary"] = {"repriced": True, "clock": {"network": "cross-region (1 Gbit/s, 50 ms)",
+                                                                   "throughput": "curve h100.json"}}
+    assert "on the runs' clock: re-priced on cross-region (1 Gbit/s, 50 ms), curve h100.json)" in "\n".join(
+        seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path))
     # and against the best constant batch at the budget, chosen after the fact: b4 (80.5 on average, b2 105)
     assert "Against the best constant batch at the budget (diloco_b4," in text
     best = {r["variant"]: r for r in seeds.paired_rows(seeds.run_rows(results, 4000, targets, False), "diloco_b4")}

@@ -141,9 +141,16 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
     targets = paper_targets(results[diloco_start], budget, higher) if diloco_start else {}
     rows = run_rows(results, budget, targets, higher)
     write_runs_csv(rows, out)
-    h = int(yaml.safe_load((Path(next(iter(results.values()))[0]["run_dir"]) / "config.yaml").read_text())
-            .get("num_inner_steps", 1))
+    run_config = yaml.safe_load((Path(next(iter(results.values()))[0]["run_dir"]) / "config.yaml").read_text())
+    h = int(run_config.get("num_inner_steps", 1))
     every = min(r.get("evaluated_every", h) for runs in results.values() for r in runs)
+    first = next(iter(results.values()))[0]
+    summary = first.get("summary", {})
+    clock = summary.get("clock") if summary.get("repriced") else None
+    clock_words = (f"re-priced on {clock['network']}, {clock['throughput']}" if clock else
+                   f"{run_config.get('network', '?')} network, " + (
+                       f"a flat {run_config.get('node_tokens_per_s', '?')} tokens/s per node"
+                       if run_config.get("throughput", "flat") == "flat" else f"throughput {run_config['throughput']}"))
     granularity = (f"one evaluation per outer step, so steps count in whole rounds of H = {h} inner steps"
                    if every >= h else f"an evaluation every {every} inner steps (eval_every_inner_steps: each "
                    f"trainer's first node's own weights within a round, the trainer's after each outer step; H = {h})")
@@ -165,9 +172,9 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
         lines += ["## The paper's comparison: AdLoCo against DiLoCo at its starting batch", "",
                   f"Targets along the run: the {metric} every seed of {diloco_start} has reached at 1/4, 1/2 and all "
                   "of the token budget (" + ", ".join(f"{k} {v:.4g}" for k, v in targets.items()) + "). Each cell: "
-                  "the mean over seeds of AdLoCo's optimizer steps (or simulated seconds, the run's own clock) to "
-                  "the target over DiLoCo's, seed by seed (below 1: AdLoCo needs less); k/n seeds: only k pairs "
-                  f"reached it. Granularity: {granularity}.", "",
+                  "the mean over seeds of AdLoCo's optimizer steps (or simulated seconds, on the runs' clock: "
+                  f"{clock_words}) to the target over DiLoCo's, seed by seed (below 1: AdLoCo needs less); "
+                  f"k/n seeds: only k pairs reached it. Granularity: {granularity}.", "",
                   *table(paper_rows(rows, results), ["variant", "vs", *(f"{k}_{t}" for t in TARGET_SHARES
                                                                         for k in ("steps", "sim_time"))]), ""]
     return lines
