@@ -20,10 +20,11 @@ import sys
 from pathlib import Path
 
 from lifecycle import RunSession, ending_of
-from utils.config import RESUME_MAY_CHANGE, Config, load_config, load_run_config, parse_overrides
+from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
 from utils.errors import ConfigError, UserError
 from utils.openmp import limit_openmp_spinning
 from utils.preflight import check_before_work
+from utils.run_config import load_run_config
 
 log = logging.getLogger("run")
 
@@ -134,7 +135,7 @@ def what_changed(exc, now: dict, overrides: list[str], run_dir: Path) -> str:
     for key in sorted(set(exc.config) | set(now)):
         if exc.config.get(key, changes) != now.get(key, changes):
             where = "the command line" if key in given else f"{run_dir / 'config.yaml'}, edited since"
-            if key == "fragment_alpha_weighs":  # see utils.config.load_run_config
+            if key == "fragment_alpha_weighs":  # see utils.run_config.load_run_config
                 where = "the checkpoint was written when fragment_alpha weighed the global copy"
             changes.append(f"{key}: {shown(exc.config, key)} -> {shown(now, key)} ({where})")
     return (f"--resume: {exc.path} was written with other settings: {'; '.join(changes)}; put them back to resume, "

@@ -21,8 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from utils.checkpoint import MANIFEST, expected_checkpoint_bytes  # noqa: E402
-from utils.config import load_run_config  # noqa: E402
 from utils.errors import UserError, exit_code_of  # noqa: E402
+from utils.run_config import load_run_config  # noqa: E402
 
 
 def preset_parameters(name: str, vocab_size: int | None = None) -> int:

@@ -7,8 +7,9 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from utils.config import TABLE_END, TABLE_START, Config, load_config, load_run_config, markdown_table
+from utils.config import TABLE_END, TABLE_START, Config, load_config, markdown_table
 from utils.errors import ConfigError
+from utils.run_config import load_run_config
 
 
 def test_default_config_file_is_valid():
@@ -214,7 +215,7 @@ def test_a_run_from_the_first_checkpoint_format_stays_resumable():
 def test_the_first_release_hash_catches_a_new_key_without_its_marks():
     import dataclasses
 
-    from utils.config import _f
+    from utils.config_schema import _f
 
     def later(**marks):
         cls = dataclasses.make_dataclass("Later", [("new_knob", float, _f(1.0, "a new key", **marks))], bases=(Config,))
@@ -243,7 +244,7 @@ def test_what_a_key_is_is_read_off_its_field():
 
 def test_every_compressor_is_a_choice_of_outer_compression():
     """Adding an outer-sync scheme: its class in algorithms/compression.py (COMPRESSORS) and its name among
-    outer_compression's choices (utils/config.py stays free of torch, so the choices are written out there)."""
+    outer_compression's choices (utils/config_schema.py stays free of torch, so the choices are written out there)."""
     import dataclasses
 
     from algorithms.compression import COMPRESSORS

@@ -819,7 +819,7 @@ def test_a_streaming_run_made_when_fragment_alpha_weighed_the_global_copy_is_ref
     on resume, one without streaming (where fragment_alpha did nothing) resumes as it ran."""
     import hashlib
 
-    from utils.config import load_run_config
+    from utils.run_config import load_run_config
 
     streamed = ["run_name=streamed", "num_outer_steps=1", "num_inner_steps=2", "sync_fragments=2",
                 "fragment_alpha=0.25"]

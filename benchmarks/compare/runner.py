@@ -11,8 +11,9 @@ from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
 from training_logs.records import TrainerRow, read_records
-from utils.config import WHERE_KEYS, Config, load_config, load_run_config
+from utils.config import WHERE_KEYS, Config, load_config
 from utils.errors import Interrupted
+from utils.run_config import load_run_config
 from utils.run_state import in_use, read_status
 
 
