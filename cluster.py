@@ -20,18 +20,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test
+from algorithms.calc_batch import build_batch_test
 from algorithms.clock import Clock, NodeSchedule
 from algorithms.network import describe, parse_network
-from algorithms.outer_sync import OuterSync
 from algorithms.policies import build_merge_policy
 from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.switch_mode import build_switch_mode
 from controller.build import (
-    WireSizes,
     build_backend,
+    build_comm_plan,
     build_nodes,
-    build_streaming,
     master_device_of,
     throughput_curve,
     use_threads,
@@ -99,35 +97,27 @@ class ClusterController:
             reinit_output_layers(model, {t: tr.master for t, tr in self.trainers.items()}, cfg.training_seed)
         eval_device = cfg.device_names[0] if local is None else self.nodes[local].device
         self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device, precision)
-        # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel
-        outer_sync, merge_sync = OuterSync(cfg.outer_compression, cfg.error_feedback, cfg.topk_fraction), \
-            OuterSync(cfg.merge_compression)
-        statistics_wire = STATISTICS_WIRE[cfg.statistics_comm]
         self.sketch = self._sketch(model, grad_chunks, resume_state)
         sample_numel = self.sketch.dim if self.sketch is not None else \
             sum(p.numel() for p in model.parameters() if p.requires_grad)  # length of a gradient sample
-        # Streaming DiLoCo (docs/communication.md): fragments synced at staggered inner steps, overlapped
-        self.streaming = build_streaming(cfg, initial)
-        self.state = ClusterState(self.nodes, self.trainers, self.streaming is not None,
-                                  cuda=any(d.startswith("cuda") for d in cfg.device_names))
-        self.backend = build_backend(cfg, self.nodes, model, within_node, master_device, outer_sync, statistics_wire,
-                                     self.streaming, sample_numel, dist_env)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.sizes = WireSizes.of(initial, outer_sync, self.streaming, sample_numel, within_node, statistics_wire,
-                                  trainable if algo.syncs_gradients else 0)
+        # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel, and
+        # Streaming DiLoCo's fragments synced at staggered inner steps, overlapped
+        self.plan = build_comm_plan(cfg, initial, sample_numel, grad_chunks, policies.batch_test.uses_statistics,
+                                    trainable if algo.syncs_gradients else 0)
+        self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
+        self.state = ClusterState(self.nodes, self.trainers, self.plan.streams,
+                                  cuda=any(d.startswith("cuda") for d in cfg.device_names))
+        self.backend = build_backend(cfg, self.nodes, model, master_device, self.plan, dist_env)
         # the simulated clock (docs/clock.md): it observes the rounds, never changes their numbers
         clock = Clock(parse_network(cfg.network), throughput_curve(cfg, self.nodes, model, make_optimizer, precision,
                                                                    resume_state, dist_env),
                       cfg.node_speeds, self.sizes.param_bytes)
         log.info("clock: network %s; throughput %s; node speeds %s", describe(clock.network), clock.curve.source,
                  " ".join(f"{v:g}" for v in cfg.node_speeds))
-        self.clock = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(self.nodes)), self.sizes,
-                               outer_sync.exact, self.streaming is not None, cfg.node_speeds, cfg.num_inner_steps,
-                               cfg.sync_delay, cfg.inner_steps_by_speed, cfg.target_metric,
-                               self.evaluator.higher_is_better, outer_sync.ring, policies.batch_test.uses_statistics)
-        self.driver = RoundDriver(cfg, self.nodes, self.state, self.backend, self.clock, self.evaluator, policies,
-                                  self.sizes, outer_sync, merge_sync, self.streaming is not None, grad_chunks,
-                                  data.train.tokens_per_sequence)
+        self.clock = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(self.nodes)), self.plan, cfg,
+                               self.evaluator.higher_is_better)
+        self.driver = RoundDriver(cfg, self.state, self.backend, self.clock, self.evaluator, policies, self.plan)
         self.driver.round_window = self._memory_window
         self._start = time.time()  # reset when training starts
         if resume is not None:

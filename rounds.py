@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from algorithms.calc_batch import REFERENCE_WIRE, GradientStatistics, StatisticsWire, trainer_statistics
+from algorithms.calc_batch import GradientStatistics, trainer_statistics
+from algorithms.comm_plan import CommPlan, wire_size
 from algorithms.outer_sync import OuterSync, flatten, unflatten
 from algorithms.streaming import FLAG_BYTES
 from trainers import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
@@ -117,11 +118,6 @@ def fragment_fault(node: Node, job: NodeJob, names: list[str]) -> NodeFault | No
     return None
 
 
-def wire_size(sync: OuterSync, numel: int) -> int:
-    """Elements of one node's fragment payload: fp32 weights + a count (exact), or encoded bytes + 4 flag bytes."""
-    return numel + 1 if sync.exact else sync.payload_bytes(numel) + FLAG_BYTES
-
-
 @torch.no_grad()
 def fragment_wire(sync: OuterSync, master: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
                   names: list[str], residual: torch.Tensor | None, device: torch.device | str
@@ -198,28 +194,29 @@ def token_shares(tokens: list[float]) -> list[float]:
     return [t / total if total else 1 / len(tokens) for t in tokens]
 
 
-def combine(results: list[NodeResult], within_node: bool, device: str = "cpu", wire: StatisticsWire = REFERENCE_WIRE,
-            sync: OuterSync | None = None, masters: dict[int, dict[str, torch.Tensor]] | None = None,
-            streamed: bool = False, by_tokens: bool = False, members: dict[int, int] | None = None,
-            identical: bool = False) -> dict[int, RoundResult]:
+def combine(results: list[NodeResult], plan: CommPlan, device: str = "cpu",
+            masters: dict[int, dict[str, torch.Tensor]] | None = None, members: dict[int, int] | None = None, *,
+            streamed: bool = False, identical: bool = False) -> dict[int, RoundResult]:
     """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
-    order (compressed: master minus the mean of the decoded pseudo-gradients, `masters` giving each trainer's);
-    and the batch test's statistics from the nodes' samples (their vectors summed in the `wire` dtype).
-    streamed: the fragments' outer steps already ran during the round; no mean is taken.
-    by_tokens (inner_steps_by_speed): each node weighs in by its share of the trainer's tokens.
+    order (compressed by plan.outer_sync: master minus the mean of the decoded pseudo-gradients, `masters` giving
+    each trainer's); and the batch test's statistics from the nodes' samples (their vectors summed in the plan's
+    statistics wire dtype). plan.by_tokens (inner_steps_by_speed): each node weighs in by its share of the
+    trainer's tokens.
     members: each trainer's number of nodes this round, failed ones included (the owners of a compressed ring).
+    streamed: the fragments' outer steps already ran during the round; no mean is taken.
     identical (DDP, SNOO): the good nodes hold the same weights; the lowest id's are the mean, nothing travels."""
+    sync, within_node, wire = plan.outer_sync, plan.within_node, plan.statistics_wire
     by_trainer: dict[int, list[NodeResult]] = {}
     for r in sorted(results, key=lambda r: r.node_id):
         by_trainer.setdefault(r.trainer_id, []).append(r)
     combined = {}
     for trainer_id, group in by_trainer.items():
-        shares = token_shares([r.tokens for r in group]) if by_tokens else None
+        shares = token_shares([r.tokens for r in group]) if plan.by_tokens else None
         if streamed:
             mean = None
         elif identical:
             mean = {name: v.detach().to(device, torch.float32, copy=True) for name, v in group[0].state.items()}
-        elif sync is not None and not sync.exact:
+        elif not sync.exact:
             mean = sync.mean_of(masters[trainer_id], [r.payload for r in group],
                                 (members or {}).get(trainer_id, len(group)), shares)
         else:

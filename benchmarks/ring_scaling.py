@@ -59,6 +59,7 @@ def worker(out: Path, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from algorithms.comm_plan import CommPlan
     from distributed.backend import DistributedBackend
 
     dist.init_process_group("gloo")
@@ -70,7 +71,7 @@ def worker(out: Path, repeats: int) -> None:
     rows = {}
     for scheme in SCHEMES:
         sync = OuterSync(scheme)
-        backend = DistributedBackend([], rank, ["w"], {"w": master["w"].shape}, 0, True, sync=sync)
+        backend = DistributedBackend([], rank, {"w": master["w"].shape}, plan=CommPlan(outer_sync=sync))
         payload = None if sync.exact else sync.encode(master, {"w": master["w"] - delta}, None)[0]
 
         def once(sync=sync, backend=backend, payload=payload):

@@ -1,5 +1,6 @@
-"""Building the cluster from the config: nodes (and the memory probe), the streaming plan, the backend,
-what each sync weighs on the wire and the clock's throughput curve. Each builder is handed what it needs."""
+"""Building the cluster from the config: nodes (and the memory probe), the communication plan (the streaming plan,
+what each sync weighs on the wire), the backend and the clock's throughput curve. Each builder is handed what it
+needs."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from algorithms.calc_batch import StatisticsWire, statistics_payload_bytes
+from algorithms.calc_batch import STATISTICS_WIRE
 from algorithms.clock import ThroughputCurve
+from algorithms.comm_plan import CommPlan, WireSizes
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan
 from distributed.in_process import RoundBackend
@@ -18,7 +20,6 @@ from distributed.protocol import Backend
 from fabrics.dataset_loader import CorpusData
 from fabrics.eval_tool import Evaluator
 from fabrics.models import replicate
-from rounds import wire_size
 from trainers import Node
 from utils.config import Config
 from utils.errors import ConfigError, UserError
@@ -144,43 +145,29 @@ def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingP
     return plan
 
 
-def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, within_node: bool, master_device: str,
-                  sync: OuterSync, statistics_wire: StatisticsWire, streaming: StreamingPlan | None, sample_numel: int,
+def build_comm_plan(cfg: Config, initial: dict[str, torch.Tensor], sample_numel: int, grad_chunks: int,
+                    statistics_decide: bool, gradient_numel: int = 0) -> CommPlan:
+    """How this run's rounds travel (docs/communication.md): the outer sync, merges and batch statistics' wires,
+    the Streaming DiLoCo plan, and what each payload weighs."""
+    plan = CommPlan(OuterSync(cfg.outer_compression, cfg.error_feedback, cfg.topk_fraction),
+                    OuterSync(cfg.merge_compression), STATISTICS_WIRE[cfg.statistics_comm],
+                    build_streaming(cfg, initial), within_node=cfg.variance_estimator == "micro_batches",
+                    by_tokens=cfg.inner_steps_by_speed, sample_numel=sample_numel, grad_chunks=grad_chunks,
+                    statistics_decide=statistics_decide)
+    return dataclasses.replace(plan, sizes=WireSizes.of(initial, plan, gradient_numel))
+
+
+def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, master_device: str, plan: CommPlan,
                   dist_env=None) -> Backend:
     """In this process (RoundBackend), or one node per torchrun process (DistributedBackend)."""
     if dist_env is None:
-        return RoundBackend(nodes, use_threads(cfg), within_node, master_device, sync, statistics_wire, streaming,
-                            cfg.inner_steps_by_speed)
+        return RoundBackend(nodes, use_threads(cfg), plan, master_device)
     from distributed import torchrun
     from distributed.backend import DistributedBackend
 
-    floats = float_state(model)
-    shapes = {k: v.shape for k, v in floats.items()}
-    return DistributedBackend(nodes, dist_env.rank, sorted(floats), shapes, sample_numel, within_node,
-                              torchrun.comm_device(cfg, dist_env), torchrun.store(), master_device, statistics_wire,
-                              sync, streaming, cfg.inner_steps_by_speed)
-
-
-@dataclasses.dataclass(frozen=True)
-class WireSizes:
-    """What travels, in bytes (docs/communication.md, "Communication accounting")."""
-    param_bytes: int  # one trainer's fp32 weights (P)
-    sync_bytes: int  # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
-    fragment_bytes: tuple[int, ...]  # streaming: one collective per fragment, each payload with its count/flag
-    statistics_bytes: int  # one node's batch-test statistics
-    gradient_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce per node (fp32 gradients and a count)
-
-    @classmethod
-    def of(cls, initial: dict[str, torch.Tensor], sync: OuterSync, streaming: StreamingPlan | None,
-           sample_numel: int, within_node: bool, statistics_wire: StatisticsWire, gradient_numel: int = 0
-           ) -> WireSizes:
-        param_bytes = sum(v.numel() * 4 for v in initial.values())
-        numels = {k: v.numel() for k, v in initial.items()}
-        fragments = () if streaming is None else tuple(
-            wire_size(sync, sum(numels[n] for n in names)) * (4 if sync.exact else 1) for names in streaming.fragments)
-        return cls(param_bytes, sync.payload_bytes(param_bytes // 4), fragments,
-                   statistics_payload_bytes(sample_numel, within_node, statistics_wire),
-                   4 * (gradient_numel + 1) if gradient_numel else 0)
+    shapes = {k: v.shape for k, v in float_state(model).items()}
+    return DistributedBackend(nodes, dist_env.rank, shapes, torchrun.comm_device(cfg, dist_env), torchrun.store(),
+                              master_device, plan)
 
 
 def throughput_curve(cfg: Config, nodes: list[Node], model: torch.nn.Module, make_optimizer, precision,

@@ -6,22 +6,20 @@ from __future__ import annotations
 import math
 
 from algorithms.clock import Clock, NodeSchedule, NodeWork, SyncCost, TrainerWork
+from algorithms.comm_plan import CommPlan
 from algorithms.network import describe
-from controller.build import WireSizes
 from rounds import RoundResult
 from trainers import NodeJob
+from utils.config import Config
 
 
 class ClockFeed:
-    def __init__(self, clock: Clock, schedule: NodeSchedule, sizes: WireSizes, sync_exact: bool, streaming: bool,
-                 node_speeds: list[float], num_inner_steps: int, sync_delay: int, inner_steps_by_speed: bool,
-                 target_metric: float, higher_is_better: bool, sync_ring: bool = False,
-                 statistics_decide: bool = True) -> None:
-        self.clock, self.schedule, self.sizes, self.sync_ring = clock, schedule, sizes, sync_ring
-        self.statistics_decide = statistics_decide  # False: statistics sent for the log only are not priced
-        self.sync_exact, self.streaming, self.node_speeds = sync_exact, streaming, node_speeds
-        self.num_inner_steps, self.sync_delay, self.by_speed = num_inner_steps, sync_delay, inner_steps_by_speed
-        self.target_metric, self.higher_is_better = target_metric, higher_is_better
+    def __init__(self, clock: Clock, schedule: NodeSchedule, plan: CommPlan, cfg: Config,
+                 higher_is_better: bool) -> None:
+        self.clock, self.schedule, self.plan = clock, schedule, plan
+        self.node_speeds, self.num_inner_steps, self.sync_delay = cfg.node_speeds, cfg.num_inner_steps, cfg.sync_delay
+        self.by_speed = cfg.inner_steps_by_speed  # each node's inner steps in proportion to its throughput
+        self.target_metric, self.higher_is_better = cfg.target_metric, higher_is_better
         self.round_work: dict[int, list[NodeWork]] = {}  # this round's work per trainer
         self.time_to_target: float | None = None  # target_metric: when a trainer first reached it
 
@@ -42,12 +40,13 @@ class ClockFeed:
 
     def _sync_cost(self, result: RoundResult | None) -> SyncCost:
         """What a trainer's collectives carried this round."""
-        sizes = self.sizes
-        return SyncCost(0 if self.sync_exact else sizes.sync_bytes, sizes.fragment_bytes if self.streaming else (),
-                        self.sync_delay, self.num_inner_steps,
-                        sizes.statistics_bytes if self.statistics_decide and result is not None
+        plan, sizes = self.plan, self.plan.sizes
+        # statistics sent for the log only (the batch test does not read them) are not priced
+        return SyncCost(0 if plan.outer_sync.exact else sizes.sync_bytes,
+                        sizes.fragment_bytes if plan.streams else (), self.sync_delay, self.num_inner_steps,
+                        sizes.statistics_bytes if plan.statistics_decide and result is not None
                         and result.statistics is not None else 0,
-                        self.sync_ring, sizes.gradient_bytes)
+                        plan.outer_sync.ring, sizes.gradient_bytes)
 
     def round(self, outer_step: int, jobs: list[NodeJob], results: dict[int, RoundResult]
               ) -> tuple[dict[int, dict], list[dict]]:

@@ -12,15 +12,14 @@ from collections.abc import Callable
 
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.clock import NodeWork
-from algorithms.outer_sync import OuterSync
+from algorithms.comm_plan import CommPlan
 from algorithms.streaming import FLAG_BYTES
-from controller.build import WireSizes
 from controller.clock_feed import ClockFeed
 from controller.state import STALE, ClusterState
 from distributed.protocol import Backend
 from fabrics.eval_tool import EvalResult, Evaluator
 from rounds import NodeFault, RoundResult
-from trainers import Node, NodeJob, RoundAbandoned, Trainer
+from trainers import NodeJob, RoundAbandoned, Trainer
 from utils.config import Config
 from utils.errors import TrainingFault
 
@@ -49,13 +48,13 @@ class Policies:
 
 
 class RoundDriver:
-    def __init__(self, cfg: Config, nodes: list[Node], state: ClusterState, backend: Backend, clock: ClockFeed,
-                 evaluator: Evaluator, policies: Policies, sizes: WireSizes, outer_sync: OuterSync,
-                 merge_sync: OuterSync, streaming: bool, grad_chunks: int, tokens_per_sequence) -> None:
-        self.cfg, self.nodes, self.state, self.backend, self.clock = cfg, nodes, state, backend, clock
-        self.evaluator, self.policies, self.sizes = evaluator, policies, sizes
-        self.outer_sync, self.merge_sync, self.streaming = outer_sync, merge_sync, streaming
-        self.grad_chunks, self.tokens_per_sequence = grad_chunks, tokens_per_sequence
+    def __init__(self, cfg: Config, state: ClusterState, backend: Backend, clock: ClockFeed, evaluator: Evaluator,
+                 policies: Policies, plan: CommPlan) -> None:
+        self.cfg, self.nodes, self.state, self.backend, self.clock = cfg, state.nodes, state, backend, clock
+        self.evaluator, self.policies, self.plan, self.sizes = evaluator, policies, plan, plan.sizes
+        self.outer_sync, self.merge_sync, self.streaming = plan.outer_sync, plan.merge_sync, plan.streams
+        self.grad_chunks = plan.grad_chunks
+        self.tokens_per_sequence = state.nodes[0].data.tokens_per_sequence  # every node reads the same corpus
         self.injected = cfg.injected_faults()
         self.round_window: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
         self.record = RoundRecord(0)

@@ -44,9 +44,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from algorithms.calc_batch import REFERENCE_WIRE, NodeGradientSums, StatisticsWire
+from algorithms.calc_batch import NodeGradientSums
+from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync
-from algorithms.streaming import StreamingPlan
 from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
 from distributed.ring import QuantizedRing, RingHalf
 from distributed.streamed import LEFT, streamed_round
@@ -59,22 +59,21 @@ from utils.errors import UserError
 class DistributedBackend:
     """The torchrun backend (distributed/protocol.py): this process runs node `rank`; collectives combine."""
 
-    def __init__(self, nodes: list[Node], rank: int, names: list[str], shapes: dict[str, torch.Size],
-                 grad_numel: int, within_node: bool, comm_device: str = "cpu", store=None,
-                 master_device: str = "cpu", statistics_wire: StatisticsWire = REFERENCE_WIRE,
-                 sync: OuterSync | None = None, streaming: StreamingPlan | None = None,
-                 by_tokens: bool = False) -> None:
+    def __init__(self, nodes: list[Node], rank: int, shapes: dict[str, torch.Size], comm_device: str = "cpu",
+                 store=None, master_device: str = "cpu", plan: CommPlan | None = None) -> None:
         self.nodes, self.rank = nodes, rank
-        self.by_tokens = by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens
+        self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
+        self.by_tokens = self.plan.by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by tokens
         self.world_size = dist.get_world_size()
-        self.names, self.shapes = names, shapes  # every floating tensor of the model, in a fixed order
-        self.numel = sum(shapes[n].numel() for n in names)
-        self.grad_numel = grad_numel  # length of a gradient sample (the trainable parameters, or the sketch's k)
-        self.grad_params = sum(p.numel() for p in nodes[rank].params)  # DDP / SNOO: a gradient's length
-        self.statistics_wire = statistics_wire  # statistics_comm: the dtype the statistics' vectors travel in
-        self.sync = sync or OuterSync()  # outer_compression and error feedback
-        self.streaming = streaming  # sync_fragments / sync_delay: fragments synced during the round
-        self.within_node = within_node
+        self.names, self.shapes = sorted(shapes), shapes  # every floating tensor of the model, in a fixed order
+        self.numel = sum(shapes[n].numel() for n in self.names)
+        self.grad_numel = self.plan.sample_numel  # a gradient sample's length (trainable parameters, or sketch's k)
+        # DDP / SNOO: a gradient's length (no nodes: a benchmark that drives the collectives alone)
+        self.grad_params = sum(p.numel() for p in nodes[rank].params) if nodes else 0
+        self.statistics_wire = self.plan.statistics_wire  # statistics_comm: the dtype the statistics' vectors use
+        self.sync = self.plan.outer_sync  # outer_compression and error feedback
+        self.streaming = self.plan.streaming  # sync_fragments / sync_delay: fragments synced during the round
+        self.within_node = self.plan.within_node
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
         self.master_device = master_device  # where the trainers' masters (and so the node mean) live
         self.liveness = Liveness(store, rank, self.world_size)  # who did not arrive, or ended first, on a failure

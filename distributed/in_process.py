@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from algorithms.calc_batch import REFERENCE_WIRE, StatisticsWire
+from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, flatten
-from algorithms.streaming import StreamingPlan
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import SummedGradients, synchronous_round
 from fabrics.eval_tool import Evaluator
@@ -28,13 +27,11 @@ class RoundBackend:
     of its trainer's mean; a stop request (RoundAbandoned) is raised once every node has left its round.
     """
 
-    def __init__(self, nodes: list[Node], concurrent: bool, within_node: bool, master_device: str = "cpu",
-                 sync: OuterSync | None = None, statistics_wire: StatisticsWire = REFERENCE_WIRE,
-                 streaming: StreamingPlan | None = None, by_tokens: bool = False) -> None:
-        self.nodes, self.within_node, self.master_device = nodes, within_node, master_device
-        self.by_tokens = by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens
-        self.sync, self.statistics_wire = sync or OuterSync(), statistics_wire
-        self.streaming = streaming  # sync_fragments / sync_delay: the fragments and their schedule
+    def __init__(self, nodes: list[Node], concurrent: bool, plan: CommPlan | None = None,
+                 master_device: str = "cpu") -> None:
+        self.nodes, self.master_device = nodes, master_device
+        self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
+        self.sync, self.streaming = self.plan.outer_sync, self.plan.streaming
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
 
     def _map(self, fn, items: list) -> list:
@@ -69,8 +66,8 @@ class RoundBackend:
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}
         members = {t: sum(j.trainer_id == t for j in jobs) for t in masters}
-        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
-                       self.statistics_wire, self.sync, masters, by_tokens=self.by_tokens, members=members), faults
+        return combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device, masters,
+                       members), faults
 
     def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
         """A Streaming DiLoCo round (distributed/streamed.py); a stop leaves it at once, every node together."""
@@ -78,8 +75,8 @@ class RoundBackend:
             self.streaming, self.sync, self.nodes, jobs, trainers, _Wires(self.sync, self.master_device),
             lambda ids, steps, job_of: self._map(lambda n: advance(steps[n], job_of[n]), ids))
         outcomes = [o for o in ended.values() if o is not LEFT]
-        combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
-                           self.statistics_wire, self.sync, streamed=True)
+        combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
+                           streamed=True)
         for t, message in errors.items():
             if t in combined:
                 combined[t].outer_error = message
@@ -90,8 +87,8 @@ class RoundBackend:
         ended = synchronous_round(self.nodes, jobs, SummedGradients(),
                                   lambda ids, steps, job_of: self._map(lambda n: advance(steps[n], job_of[n]), ids))
         outcomes = list(ended.values())
-        return (combine([o for o in outcomes if isinstance(o, NodeResult)], self.within_node, self.master_device,
-                        self.statistics_wire, identical=True), [o for o in outcomes if isinstance(o, NodeFault)])
+        return (combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
+                        identical=True), [o for o in outcomes if isinstance(o, NodeFault)])
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""

@@ -224,6 +224,8 @@ def test_the_first_release_hash_catches_a_new_key_without_its_marks():
     assert later() != FIRST_RELEASE_HASH  # the trap: unmarked, it changes every older run's hash
     assert later(added_later=True) == FIRST_RELEASE_HASH  # at its default, it leaves them resumable
     assert later(resume=True) == FIRST_RELEASE_HASH
+    with pytest.raises(TypeError, match="unknown marks \\['resum'\\]"):  # a misspelt mark is no silent no-op
+        later(resum=True)
 
 
 def test_what_a_key_is_is_read_off_its_field():

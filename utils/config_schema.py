@@ -25,10 +25,13 @@ def section(name: str) -> None:
     _SECTION[0] = name
 
 
-def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, *, resume: bool = False,
-       added_later: bool = False, per_machine: bool = False, cluster: bool = False, where: bool = False,
-       **bounds: float) -> Any:
-    """A dataclass field with documentation, optional choices, numeric bounds (min / max) and what the key is:
+MARKS = ("resume", "added_later", "per_machine", "cluster", "where")
+BOUNDS = ("min", "max")
+
+
+def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, **marks: Any) -> Any:
+    """A dataclass field with documentation, optional choices, numeric bounds (`min=`, `max=`) and what the key is
+    (each mark False unless given True):
     resume: a resumed run may change it (it does not change what is computed, only how long the run goes, what
         is recorded and how faults are handled); everything else is fixed by the checkpoint (`meaning`);
     added_later: it changes the numbers but came after the first checkpoint format; at its default it does what
@@ -36,8 +39,11 @@ def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, *, resume
     per_machine: under torchrun it may differ between machines (where files are; the CPU's kernels and threads);
     cluster: it describes the cluster (benchmarks.compare --cluster FILE takes it);
     where: it only says where files go, so the harness reuses a finished run across it."""
-    meta = {"doc": doc, "choices": choices, "section": _SECTION[0], "resume": resume, "added_later": added_later,
-            "per_machine": per_machine, "cluster": cluster, "where": where, **bounds}
+    unknown = set(marks) - set(MARKS) - set(BOUNDS)
+    if unknown:  # a misspelt mark would otherwise be a silent no-op
+        raise TypeError(f"_f: unknown marks {sorted(unknown)}; the marks are {MARKS} and the bounds {BOUNDS}")
+    meta = {"doc": doc, "choices": choices, "section": _SECTION[0], **{m: bool(marks.get(m)) for m in MARKS},
+            **{b: marks[b] for b in BOUNDS if b in marks}}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: _copy(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -1,0 +1,61 @@
+"""What a run's communication is, decided once (docs/communication.md): how the outer sync, the merges and the
+batch tests' statistics travel, the Streaming DiLoCo schedule, and what each weighs on the wire. controller/build.py
+builds it from the config and the model; the backend, the clock feed and the round driver take it whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from algorithms.calc_batch import REFERENCE_WIRE, StatisticsWire, statistics_payload_bytes
+from algorithms.outer_sync import OuterSync
+from algorithms.streaming import FLAG_BYTES, StreamingPlan
+
+
+def wire_size(sync: OuterSync, numel: int) -> int:
+    """Elements of one node's fragment payload: fp32 weights + a count (exact), or encoded bytes + 4 flag bytes."""
+    return numel + 1 if sync.exact else sync.payload_bytes(numel) + FLAG_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class WireSizes:
+    """What travels, in bytes (docs/communication.md, "Communication accounting")."""
+    param_bytes: int  # one trainer's fp32 weights (P)
+    sync_bytes: int  # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
+    fragment_bytes: tuple[int, ...]  # streaming: one collective per fragment, each payload with its count/flag
+    statistics_bytes: int  # one node's batch-test statistics
+    gradient_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce per node (fp32 gradients and a count)
+
+    @classmethod
+    def of(cls, initial: dict[str, torch.Tensor], plan: CommPlan, gradient_numel: int = 0) -> WireSizes:
+        """The sizes of `plan`'s payloads for a model whose fp32 state is `initial` (gradient_numel: the trainable
+        parameters, when gradients cross every inner step)."""
+        sync, param_bytes = plan.outer_sync, sum(v.numel() * 4 for v in initial.values())
+        numels = {k: v.numel() for k, v in initial.items()}
+        fragments = () if plan.streaming is None else tuple(
+            wire_size(sync, sum(numels[n] for n in names)) * (4 if sync.exact else 1)
+            for names in plan.streaming.fragments)
+        return cls(param_bytes, sync.payload_bytes(param_bytes // 4), fragments,
+                   statistics_payload_bytes(plan.sample_numel, plan.within_node, plan.statistics_wire),
+                   4 * (gradient_numel + 1) if gradient_numel else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommPlan:
+    """How a round's communication travels. The defaults are a plain DiLoCo round: fp32 weights averaged, the
+    fp64 reference statistics, no streaming."""
+    outer_sync: OuterSync = dataclasses.field(default_factory=OuterSync)  # outer_compression, error_feedback
+    merge_sync: OuterSync = dataclasses.field(default_factory=OuterSync)  # merge_compression
+    statistics_wire: StatisticsWire = REFERENCE_WIRE  # statistics_comm
+    streaming: StreamingPlan | None = None  # Streaming DiLoCo: the fragments and their schedule; None without it
+    within_node: bool = True  # the micro_batches estimator: each node's samples form their own group
+    by_tokens: bool = False  # inner_steps_by_speed: nodes weigh in their trainer's mean by their tokens
+    sample_numel: int = 0  # one gradient sample's length (the sketch's dimension when sketched)
+    grad_chunks: int = 0  # gradient samples per node and round (0: none are taken)
+    statistics_decide: bool = True  # the batch test reads the statistics (False: sent for the log only)
+    sizes: WireSizes | None = None  # what each payload weighs (WireSizes.of)
+
+    @property
+    def streams(self) -> bool:
+        return self.streaming is not None
