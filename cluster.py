@@ -1,7 +1,7 @@
 """The simulated cluster: devices hosting nodes, and the outer loop that drives them.
 
 The controller takes every decision; a backend executes what crosses nodes (distributed/protocol.py:
-`RoundBackend` runs every node in this process, `DistributedBackend` one node per torchrun process).
+`InProcessBackend` runs every node in this process, `TorchrunBackend` one node per torchrun process).
 Its parts live in controller/: build.py makes the cluster from the config, state.py holds its state
 (owners, holds, counters, traffic, the rollback snapshot), clock_feed.py feeds the simulated clock and
 round_driver.py runs an outer step and a merge, returning records. `ClusterController.train` is the loop;
@@ -37,7 +37,7 @@ from controller.build import (
 from controller.clock_feed import ClockFeed
 from controller.round_driver import Policies, RoundDriver, RoundRecord
 from controller.state import STALE, ClusterState, rng_state, set_rng_state
-from distributed.in_process import RoundBackend
+from distributed.in_process import InProcessBackend
 from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import Evaluator
 from fabrics.models import reinit_output_layers, replicate
@@ -50,7 +50,7 @@ from utils.errors import RunStopped, TrainingFault, UserError
 from utils.model_state import float_state
 from utils.signals import StopSignals
 
-__all__ = ["ClusterController", "RoundBackend", "master_device_of", "use_threads", "rng_state", "set_rng_state",
+__all__ = ["ClusterController", "InProcessBackend", "master_device_of", "use_threads", "rng_state", "set_rng_state",
            "STALE"]
 log = logging.getLogger(__name__)
 

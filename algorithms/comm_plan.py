@@ -9,13 +9,8 @@ import dataclasses
 import torch
 
 from algorithms.calc_batch import REFERENCE_WIRE, StatisticsWire, statistics_payload_bytes
-from algorithms.outer_sync import OuterSync
-from algorithms.streaming import FLAG_BYTES, StreamingPlan
-
-
-def wire_size(sync: OuterSync, numel: int) -> int:
-    """Elements of one node's fragment payload: fp32 weights + a count (exact), or encoded bytes + 4 flag bytes."""
-    return numel + 1 if sync.exact else sync.payload_bytes(numel) + FLAG_BYTES
+from algorithms.outer_sync import OuterSync, wire_size
+from algorithms.streaming import StreamingPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The outer sync: what each node sends its trainer at the end of a round, and how the trainer averages it.
 
-Both backends use this one object: the simulated cluster (rounds.py `combine`) and the torchrun backend
-(distributed/backend.py, which sends the encoded shards and payloads) compute the same values in the same
+Both backends use this one object: the simulated cluster (distributed/node_round.py `combine`) and the torchrun backend
+(distributed/torchrun_backend.py, which sends the encoded shards and payloads) compute the same values in the same
 order, so they give the same numbers.
 
 Exact (outer_compression: none): the trainer's nodes send their fp32 weights and the mean is taken of
@@ -31,10 +31,12 @@ usual.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from algorithms.compression import CHUNK, Compressor, build_compressor
+from algorithms.streaming import FLAG_BYTES
 
 
 def flatten(state: dict[str, torch.Tensor], names: list[str], device: torch.device | str) -> torch.Tensor:
@@ -157,3 +159,66 @@ class OuterSync:
         """The fp32 concatenation of `tensors` as a receiver decodes it (merge_compression)."""
         flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
         return self.compressor.decode(self.compressor.encode(flat), flat.numel())
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fragment on the wire (Streaming DiLoCo): both backends build and average fragments with these
+
+def wire_size(sync: OuterSync, numel: int) -> int:
+    """Elements of one node's fragment payload: fp32 weights + a count (exact), or encoded bytes + 4 flag bytes."""
+    return numel + 1 if sync.exact else sync.payload_bytes(numel) + FLAG_BYTES
+
+
+@torch.no_grad()
+def fragment_wire(sync: OuterSync, master: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
+                  names: list[str], residual: torch.Tensor | None, device: torch.device | str
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What one node sends for a fragment (names sorted), and its next residual for the fragment.
+    exact: its fp32 fragment weights and a 1 (an all-reduce sums both: the weights' sum and the nodes counted);
+    compressed: the encoded pseudo-gradient (master - local + residual) and 4 flag bytes [1, 0, 0, 0]."""
+    if sync.exact:
+        flat = flatten(local, names, device)
+        return torch.cat([flat, torch.ones(1, dtype=torch.float32, device=device)]), None
+    payload, residual = sync.encode({n: master[n] for n in names}, {n: local[n] for n in names}, residual)
+    flag = torch.tensor([1, 0, 0, 0], dtype=torch.uint8, device=payload.device)
+    return torch.cat([payload, flag]), residual
+
+
+def empty_wire(sync: OuterSync, numel: int, device: torch.device | str) -> torch.Tensor:
+    """The payload of a node that contributes nothing (it failed or left the round): zeros, count/flag 0."""
+    return torch.zeros(wire_size(sync, numel), dtype=torch.float32 if sync.exact else torch.uint8, device=device)
+
+
+@dataclass
+class RingArrival:
+    """A fragment's ring as a member ends it: every owner's reduced shard, in shard order, and whether any node
+    contributed (a shard's flag)."""
+
+    reduced: list[torch.Tensor]
+    contributed: bool
+
+
+@torch.no_grad()
+def fragment_average(sync: OuterSync, master: dict[str, torch.Tensor], names: list[str],
+                     wires: list[torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The nodes' mean fragment (fp32, on the master's device) from what arrived: the summed exact wires, every
+    member's compressed wire in node-id order (averaged as a ring of quantized shards, or decoded one by one for
+    top-k: OuterSync.mean_of), or torchrun's finished ring; None when no node contributed."""
+    fragment = {n: master[n] for n in names}
+    device = master[names[0]].device
+    if sync.exact:
+        summed = wires.to(device)
+        count = float(summed[-1])
+        return unflatten(summed[:-1] / count, fragment, names) if count > 0 else None
+    if isinstance(wires, RingArrival):  # torchrun's ring: the owners' reduced shards
+        return sync.ring_mean(fragment, wires.reduced) if wires.contributed else None
+    good = [w[:-FLAG_BYTES] for w in wires if int(w[-FLAG_BYTES]) == 1]
+    return sync.mean_of(fragment, good, len(wires)) if good else None
+
+
+def sum_wires(wires: list[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The exact wires summed in fp32 in the order given (node-id order): what the all-reduce computes."""
+    total = torch.zeros_like(wires[0], device=device)
+    for wire in wires:
+        total += wire.to(device)
+    return total

@@ -147,8 +147,8 @@ def timeline(rounds: list[RoundWork], net: Network, node_throughput: float | Thr
 
 # ---------------------------------------------------------------------------------------------------------
 def _statistics_bytes(run_config: dict, weight_bytes: int, statistics: bool) -> int:
-    """Bytes per node of the batch test's statistics reductions (distributed/backend.py), 0 if none travel or the
-    batch schedule ignores them (those sent for the log only are charged to no method)."""
+    """Bytes per node of the batch test's statistics reductions (distributed/torchrun_backend.py), 0 if none travel
+    or the batch schedule ignores them (those sent for the log only are charged to no method)."""
     test = BATCH_TESTS.get(run_config.get("sampling_method", ""))
     sent = test is not None and test.uses_statistics
     if not statistics or not sent:

@@ -5,7 +5,7 @@
 One trainer of n nodes syncs a microllama-tiny-sized pseudo-gradient (P = 7,148,032 bytes of fp32) once per
 scheme: none (the fp32 ring all-reduce), bf16 / fp8 / int8 (a ring of quantized shards: algorithms/
 outer_sync.py) and top-k 2% (all-gathered). Measured under `torchrun --standalone --nproc-per-node n` on this
-machine for each n of --procs, through the torchrun backend's own collectives (distributed/backend.py and
+machine for each n of --procs, through the torchrun backend's own collectives (distributed/torchrun_backend.py and
 distributed/ring.py), whose counters give the bytes each rank sent; the same bytes by the accounting
 (algorithms/traffic.py) must agree, and the network model (algorithms/network.py) prices them at n = 16 and
 64 too. What matters here is bytes
@@ -55,12 +55,12 @@ def priced(scheme: str, n: int, network: str, numel: int = WEIGHT_BYTES // 4) ->
 
 
 def worker(out: Path, repeats: int) -> None:
-    """One rank: every scheme's sync through DistributedBackend's collectives; rank 0 writes what all sent."""
+    """One rank: every scheme's sync through TorchrunBackend's collectives; rank 0 writes what all sent."""
     import torch
     import torch.distributed as dist
 
     from algorithms.comm_plan import CommPlan
-    from distributed.backend import DistributedBackend
+    from distributed.torchrun_backend import TorchrunBackend
 
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -71,7 +71,7 @@ def worker(out: Path, repeats: int) -> None:
     rows = {}
     for scheme in SCHEMES:
         sync = OuterSync(scheme)
-        backend = DistributedBackend([], rank, {"w": master["w"].shape}, plan=CommPlan(outer_sync=sync))
+        backend = TorchrunBackend([], rank, {"w": master["w"].shape}, plan=CommPlan(outer_sync=sync))
         payload = None if sync.exact else sync.encode(master, {"w": master["w"] - delta}, None)[0]
 
         def once(sync=sync, backend=backend, payload=payload):

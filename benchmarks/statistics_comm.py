@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-import rounds  # noqa: E402
+import distributed.node_round as node_round  # noqa: E402
 from algorithms.calc_batch import REFERENCE_WIRE, STATISTICS_WIRE, BatchTest, statistics_payload_bytes  # noqa: E402
 from algorithms.sketch import CountSketch, sketch_coefficients  # noqa: E402
 from utils.config import load_config  # noqa: E402
@@ -46,7 +46,7 @@ def shadow_run(config: str, overrides: list[str], dims: list[int]) -> dict:
     counts = {m: {"decisions": 0, "same_batch": 0, "same_request": 0} for m in modes}
     shadows: dict[int, dict] = {}
     sketches: dict[int, CountSketch] = {}
-    exact_statistics, exact_call = rounds.trainer_statistics, BatchTest.__call__
+    exact_statistics, exact_call = node_round.trainer_statistics, BatchTest.__call__
 
     def statistics(samples, within_node, wire=REFERENCE_WIRE):
         exact = exact_statistics(samples, within_node, wire)
@@ -69,14 +69,14 @@ def shadow_run(config: str, overrides: list[str], dims: list[int]) -> dict:
             c["same_request"] += shadow.stats.get("test_requested_batch") == asked
         return decision
 
-    rounds.trainer_statistics, BatchTest.__call__ = statistics, decide
+    node_round.trainer_statistics, BatchTest.__call__ = statistics, decide
     try:
         with tempfile.TemporaryDirectory() as log_dir:
             cfg = load_config(ROOT / path, [*overrides, f"log_dir={log_dir}", "clearml_mode=off",
                                               "statistics_comm=fp64"])
             _, summary = train(cfg)
     finally:
-        rounds.trainer_statistics, BatchTest.__call__ = exact_statistics, exact_call
+        node_round.trainer_statistics, BatchTest.__call__ = exact_statistics, exact_call
     within_node = cfg.variance_estimator == "micro_batches"
     weights = summary["weight_bytes"]
     trainable = weights // 4  # float state ~ trainable parameters for these models

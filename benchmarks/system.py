@@ -158,7 +158,7 @@ def training_flops(model, tokens: int, seq_len: int) -> float:
 
 def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
     """One real cluster: time the pieces of its rounds and its memory against the expected bytes."""
-    import rounds as rounds_module
+    import distributed.node_round as rounds_module
     from cluster import ClusterController
     from training_logs.memory_monitor import MemoryMonitor
     from training_logs.trackers import TrackerGroup

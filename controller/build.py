@@ -15,7 +15,7 @@ from algorithms.clock import ThroughputCurve
 from algorithms.comm_plan import CommPlan, WireSizes
 from algorithms.outer_sync import OuterSync
 from algorithms.streaming import StreamingPlan
-from distributed.in_process import RoundBackend
+from distributed.in_process import InProcessBackend
 from distributed.protocol import Backend
 from fabrics.dataset_loader import CorpusData
 from fabrics.eval_tool import Evaluator
@@ -159,14 +159,14 @@ def build_comm_plan(cfg: Config, initial: dict[str, torch.Tensor], sample_numel:
 
 def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, master_device: str, plan: CommPlan,
                   dist_env=None) -> Backend:
-    """In this process (RoundBackend), or one node per torchrun process (DistributedBackend)."""
+    """In this process (InProcessBackend), or one node per torchrun process (TorchrunBackend)."""
     if dist_env is None:
-        return RoundBackend(nodes, use_threads(cfg), plan, master_device)
+        return InProcessBackend(nodes, use_threads(cfg), plan, master_device)
     from distributed import torchrun
-    from distributed.backend import DistributedBackend
+    from distributed.torchrun_backend import TorchrunBackend
 
     shapes = {k: v.shape for k, v in float_state(model).items()}
-    return DistributedBackend(nodes, dist_env.rank, shapes, torchrun.comm_device(cfg, dist_env), torchrun.store(),
+    return TorchrunBackend(nodes, dist_env.rank, shapes, torchrun.comm_device(cfg, dist_env), torchrun.store(),
                               master_device, plan)
 
 

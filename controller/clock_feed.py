@@ -8,7 +8,7 @@ import math
 from algorithms.clock import Clock, NodeSchedule, NodeWork, SyncCost, TrainerWork
 from algorithms.comm_plan import CommPlan
 from algorithms.network import describe
-from rounds import RoundResult
+from distributed.protocol import RoundResult
 from trainers import NodeJob
 from utils.config import Config
 

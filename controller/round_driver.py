@@ -16,9 +16,8 @@ from algorithms.comm_plan import CommPlan
 from algorithms.streaming import FLAG_BYTES
 from controller.clock_feed import ClockFeed
 from controller.state import STALE, ClusterState
-from distributed.protocol import Backend
+from distributed.protocol import Backend, NodeFault, RoundResult
 from fabrics.eval_tool import EvalResult, Evaluator
-from rounds import NodeFault, RoundResult
 from trainers import NodeJob, RoundAbandoned, Trainer
 from utils.config import Config
 from utils.errors import TrainingFault

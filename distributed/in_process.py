@@ -12,15 +12,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from algorithms.comm_plan import CommPlan
-from algorithms.outer_sync import OuterSync, flatten
+from algorithms.outer_sync import OuterSync, empty_wire, flatten, sum_wires
+from distributed.node_round import advance, combine, run_node
+from distributed.protocol import NodeFault, RoundResult
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import SummedGradients, synchronous_round
 from fabrics.eval_tool import Evaluator
-from rounds import NodeFault, RoundResult, advance, combine, empty_wire, run_node, sum_wires
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 
 
-class RoundBackend:
+class InProcessBackend:
     """Runs the jobs of one round on their nodes and combines the good results per trainer.
 
     A node that raises or ends its round with non-finite numbers is reported as a NodeFault and left out

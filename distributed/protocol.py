@@ -1,21 +1,50 @@
 """The contract between the controller and a backend: what crosses nodes, and nothing else.
 
 The controller (cluster.py) takes every decision; a backend executes what crosses nodes. Two implement
-it, side by side in this folder: `in_process.RoundBackend` (every node in this process, threads or a loop)
-and `backend.DistributedBackend` (one node per torchrun process, collectives). rounds.py, algorithms/,
-trainers.py and `streamed.py` (a Streaming DiLoCo round) are the same for both.
+it, side by side in this folder: `in_process.InProcessBackend` (every node in this process, threads or a loop)
+and `torchrun_backend.TorchrunBackend` (one node per torchrun process, collectives). algorithms/,
+trainers.py, `node_round.py` (a node's round and how a trainer's results combine) and `streamed.py` (a Streaming
+DiLoCo round) are the same for both. What a round returns is here: `RoundResult` per trainer, `NodeFault` per failed
+node.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from algorithms.calc_batch import GradientStatistics
 from algorithms.outer_sync import OuterSync
 from fabrics.eval_tool import EvalResult, Evaluator
-from rounds import NodeFault, RoundResult
 from trainers import NodeJob, Trainer
+
+
+@dataclass
+class RoundResult:
+    """One trainer's combined round: mean node weights plus what the batch test and the logs need."""
+
+    node_mean: dict[str, torch.Tensor] | None  # None under torchrun on processes outside the trainer
+    nodes: list[int]
+    train_loss: float
+    tokens: int
+    optimizer_steps: int
+    node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
+    learning_rate: float
+    statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
+    outer_error: str = ""  # streaming: a fragment's outer step failed (non-finite pseudo-gradient)
+    node_mid_round: dict[int, list] = field(default_factory=dict)  # eval_every_inner_steps: node -> (step, metrics)
+
+
+@dataclass
+class NodeFault:
+    """A node whose round failed: an exception, or a non-finite loss or weights."""
+
+    node_id: int
+    trainer_id: int
+    kind: str  # error | nan
+    message: str
 
 
 class Backend(Protocol):

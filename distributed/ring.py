@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from algorithms.outer_sync import OuterSync
+from algorithms.outer_sync import OuterSync, RingArrival
 from algorithms.streaming import FLAG_BYTES
-from rounds import RingArrival
 
 
 @dataclasses.dataclass

@@ -15,13 +15,40 @@ from typing import Protocol
 
 import torch
 
-from algorithms.outer_sync import OuterSync
+from algorithms.outer_sync import OuterSync, fragment_average, fragment_wire
 from algorithms.streaming import StreamingPlan, mix_fragment
-from rounds import NodeFault, fragment_average, fragment_fault, send_fragment
+from distributed.protocol import NodeFault
 from trainers import Node, NodeJob, NodeResult, Trainer
 from utils.model_state import float_state
 
 LEFT = "left"  # a node that left the round on a stop request (torchrun: it still takes part in collectives)
+
+
+def fragment_fault(node: Node, job: NodeJob, names: list[str]) -> NodeFault | None:
+    """Before a fragment travels: a node whose losses so far or whose fragment are not finite leaves the round
+    (it would poison its trainer's fragment)."""
+    losses = torch.stack(node.round_losses).float() if node.round_losses else torch.zeros(1)
+    own = node.model.state_dict(keep_vars=True)
+    if not bool(torch.isfinite(losses).all()) or not all(bool(torch.isfinite(own[n]).all()) for n in names):
+        why = f"inject_fault: {job.inject_fault}" if job.inject_fault else "diverged? lower lr_inner"
+        return NodeFault(job.node_id, job.trainer_id, "nan", f"non-finite loss or weights before a fragment sync "
+                         f"({why})")
+    return None
+
+
+def send_fragment(node: Node, master: dict[str, torch.Tensor], names: list[str], span: tuple[int, int],
+                  total: int, sync: OuterSync) -> torch.Tensor:
+    """A node's wire for one fragment; with error feedback its residual's slice `span` (the fragment's place
+    in the flat residual of `total` entries) is read and updated in place."""
+    residual = None
+    if sync.error_feedback:
+        if node.residual is None:
+            node.residual = torch.zeros(total, dtype=torch.float32, device=node.device)
+        residual = node.residual[span[0]:span[1]]
+    wire, kept = fragment_wire(sync, master, float_state(node.model), names, residual, node.device)
+    if kept is not None:
+        node.residual[span[0]:span[1]] = kept
+    return wire
 
 
 class FragmentTransport(Protocol):
@@ -32,7 +59,7 @@ class FragmentTransport(Protocol):
         (None: that node contributes nothing). Returns a handle for `land`."""
 
     def land(self, handle: object) -> list[torch.Tensor] | torch.Tensor | None:
-        """What arrived, as `rounds.fragment_average` reads it; None when nothing can arrive."""
+        """What arrived, as `fragment_average` (algorithms/outer_sync.py) reads it; None when nothing can arrive."""
 
 
 def streamed_round(plan: StreamingPlan, sync: OuterSync, nodes: list[Node], jobs: list[NodeJob],

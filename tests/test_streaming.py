@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from algorithms.comm_plan import CommPlan
 from algorithms.streaming import StreamingPlan, SyncEvent, fragment_names, layer_units, mix_fragment, sync_schedule
-from cluster import RoundBackend
+from cluster import InProcessBackend
 from fabrics.dataset_loader import PackedData, ShardSampler
 from trainers import DiLoCoTrainer, Node, NodeJob
 from utils.config import load_config
@@ -126,7 +126,7 @@ def test_a_streaming_round_equals_the_direct_implementation(fragments, delay, al
     plan = StreamingPlan.build(list(initial), {k: v.numel() for k, v in initial.items()}, 4, fragments, delay, alpha)
     nodes = [Node(i, "cpu", tiny_model(), sgd, grad_clip=0.0, data=packed) for i in range(2)]
     indices = [torch.arange(8 * i, 8 * i + 4).view(4, 1, 1) for i in range(2)]  # one sequence per inner step
-    backend = RoundBackend(nodes, concurrent=False, plan=CommPlan(streaming=plan))
+    backend = InProcessBackend(nodes, concurrent=False, plan=CommPlan(streaming=plan))
     results, faults = backend.run_round([NodeJob(i, 0, trainer.master, indices[i], 0, reset_optimizer=True)
                                          for i in range(2)], {0: trainer})
     assert not faults and results[0].node_mean is None  # stepped fragment by fragment during the round
@@ -153,7 +153,7 @@ def test_a_node_that_diverges_mid_round_leaves_before_its_fragment_travels():
     nodes = [Node(i, "cpu", tiny_model(), sgd, grad_clip=0.0, data=packed) for i in range(2)]
     jobs = [NodeJob(i, 0, trainer.master, torch.arange(4).view(4, 1, 1), 0, reset_optimizer=True,
                     inject_fault="nan" if i == 1 else "") for i in range(2)]
-    results, faults = RoundBackend(nodes, False, CommPlan(streaming=plan)).run_round(jobs, {0: trainer})
+    results, faults = InProcessBackend(nodes, False, CommPlan(streaming=plan)).run_round(jobs, {0: trainer})
     assert [(f.node_id, f.kind) for f in faults] == [(1, "nan")] and "before a fragment sync" in faults[0].message
     assert results[0].nodes == [0]
     assert all(bool(torch.isfinite(v).all()) for v in trainer.master.values())  # nothing non-finite travelled
@@ -212,7 +212,7 @@ def test_torchft_regression_closed_form_step_by_step(delay, alpha):
     assert plan.fragments == [["layers.0.weight"], ["layers.1.weight"]]
     nodes = [Node(i, "cpu", models[i], lambda p: torch.optim.SGD(p, lr=1.0), grad_clip=0.0, data=data())
              for i in range(2)]
-    backend = RoundBackend(nodes, concurrent=False, plan=CommPlan(streaming=plan))
+    backend = InProcessBackend(nodes, concurrent=False, plan=CommPlan(streaming=plan))
     for round_ in range(3):  # the nodes go on from their own weights across rounds, as the controller has them
         jobs = [NodeJob(i, 0, trainer.master, torch.arange(6).view(6, 1, 1), 0, reset_optimizer=round_ == 0,
                         keep_local=round_ > 0) for i in range(2)]

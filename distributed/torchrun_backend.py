@@ -46,17 +46,18 @@ import torch.distributed as dist
 
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.comm_plan import CommPlan
-from algorithms.outer_sync import OuterSync
+from algorithms.outer_sync import OuterSync, empty_wire
 from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
+from distributed.node_round import advance, run_node, token_shares
+from distributed.protocol import NodeFault, RoundResult
 from distributed.ring import QuantizedRing, RingHalf
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import synchronous_round
-from rounds import NodeFault, RoundResult, advance, empty_wire, run_node, token_shares
 from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
 from utils.errors import UserError
 
 
-class DistributedBackend:
+class TorchrunBackend:
     """The torchrun backend (distributed/protocol.py): this process runs node `rank`; collectives combine."""
 
     def __init__(self, nodes: list[Node], rank: int, shapes: dict[str, torch.Size], comm_device: str = "cpu",
@@ -373,7 +374,7 @@ class _Collectives:
     """A fragment's wires under torchrun (distributed/streamed.py's FragmentTransport): an asynchronous collective
     of the trainer's group per fragment, launched at the send and waited for at the landing."""
 
-    def __init__(self, backend: DistributedBackend, members: tuple[int, ...]) -> None:
+    def __init__(self, backend: TorchrunBackend, members: tuple[int, ...]) -> None:
         self.backend, self.members = backend, members
 
     def start(self, trainer_id: int, wires: list[torch.Tensor | None], numel: int) -> tuple:
@@ -426,7 +427,7 @@ class _Gradients:
     all-reduce (SUM) of the trainer's group per inner step, the fp32 gradient and a count of 1 (0 and zeros from
     a node that offers nothing), so the mean is over the nodes that offered one."""
 
-    def __init__(self, backend: DistributedBackend, members: tuple[int, ...]) -> None:
+    def __init__(self, backend: TorchrunBackend, members: tuple[int, ...]) -> None:
         self.backend, self.members = backend, members
 
     def mean(self, trainer_id: int, gradients: list[torch.Tensor | None]) -> torch.Tensor | None:
