@@ -19,12 +19,13 @@ import os
 import sys
 from pathlib import Path
 
-from lifecycle import RunSession, ending_of
+from run_dir.claim import check_run_name
+from run_dir.lifecycle import RunSession, ending_of
+from run_dir.run_config import load_run_config
 from utils.config import RESUME_MAY_CHANGE, Config, load_config, parse_overrides
 from utils.errors import ConfigError, UserError
 from utils.openmp import limit_openmp_spinning
 from utils.preflight import check_before_work
-from utils.run_config import load_run_config
 
 log = logging.getLogger("run")
 
@@ -135,7 +136,7 @@ def what_changed(exc, now: dict, overrides: list[str], run_dir: Path) -> str:
     for key in sorted(set(exc.config) | set(now)):
         if exc.config.get(key, changes) != now.get(key, changes):
             where = "the command line" if key in given else f"{run_dir / 'config.yaml'}, edited since"
-            if key == "fragment_alpha_weighs":  # see utils.run_config.load_run_config
+            if key == "fragment_alpha_weighs":  # see run_dir.run_config.load_run_config
                 where = "the checkpoint was written when fragment_alpha weighed the global copy"
             changes.append(f"{key}: {shown(exc.config, key)} -> {shown(now, key)} ({where})")
     return (f"--resume: {exc.path} was written with other settings: {'; '.join(changes)}; put them back to resume, "
@@ -147,7 +148,7 @@ def what_changed(exc, now: dict, overrides: list[str], run_dir: Path) -> str:
 
 def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> tuple[Path, dict]:
     """Train from scratch, or continue `resume` = (run directory, checkpoint). Returns (run_dir, summary).
-    The run directory's life (claim, lock, status.json, trackers, summary.json, rank roles) is lifecycle.py's."""
+    The run directory's life (claim, lock, status.json, trackers, summary.json, rank roles) is run_dir/'s."""
     from distributed import torchrun
 
     env = torchrun.from_environ()
@@ -156,7 +157,9 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     check_devices(cfg)
     request_cpu_kernels(cfg)  # for direct callers; main() has done it before torch was imported
     cfg = resolve_cpu_kernels(cfg)
-    check_before_work(cfg, resuming=resume is not None)  # model, data paths, run_name: before any data work
+    check_before_work(cfg)  # model, data paths: before any data work
+    if resume is None:
+        check_run_name(cfg)
     from utils.cache import forget_refusals
 
     forget_refusals()  # each run says once if its cache_dir cannot be written (utils/cache.py)
@@ -181,8 +184,8 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
         log.info("model: %s (%s), %.2fM parameters", cfg.model_config.name, type(model).__name__,
                  count_parameters(model) / 1e6)
         logger = session.open_logger(classification=data.val.labels is not None)
-        cluster = ClusterController(cfg, model, data, logger, session.run_dir / "model_weights", session.checkpoint,
-                                    session.stop, env)
+        cluster = ClusterController.build(cfg, model, data, logger, session.run_dir / "model_weights",
+                                          session.checkpoint, session.stop, env)
         summary = cluster.train()
         session.complete(summary)
     return session.run_dir, summary

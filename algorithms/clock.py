@@ -1,19 +1,16 @@
 """The simulated clock: what a heterogeneous cluster and its network would take, round by round.
 
 It observes and never changes training's numbers (only `inner_steps_by_speed` asks it how many inner
-steps each node can take). The cluster (cluster.py) drives it live, from each round's jobs; benchmarks/
-network.py replays finished runs through it. Its parts:
+steps each node can take). The cluster (cluster/) drives it live, from each round's jobs; benchmarks/
+replay.py replays finished runs through it. Its parts:
 
 ThroughputCurve  tokens/s of one node at speed 1 against its micro-batch and accumulation steps: flat
                  (today's assumption), measured on the device in hand (`benchmarks.system --curve`), or
                  a file of the user's own measurements. Between measured micro-batches: linear; above the
                  largest: its value (saturated); accumulation levels between those measured: the largest
                  measured level below.
-SyncCost         what a trainer's collectives take at the end of its round (algorithms/network.py's ring
-                 model): the fp32 all-reduce of the weights, the ring of quantized shards (priced as a
-                 ring all-reduce of the payload) or the all-gather of top-k payloads, one per fragment for
-                 Streaming DiLoCo (each hidden by `overlap_steps` inner steps), and the batch test's
-                 statistics (two all-reduces).
+SyncCost         (algorithms/traffic.py) what a trainer's collectives send and take at the end of its round:
+                 the one model of a sync's bytes and seconds, shared with the traffic counters and the replay.
 NodeSchedule     nodes that leave and come back, and nodes that slow down (config `node_schedule`).
 Clock            the timeline. Each node computes its round in tokens / (curve x speed / slowdown)
                  seconds, from when both it and its trainer are ready (plus receiving the trainer's state
@@ -36,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from algorithms.network import Network
-from algorithms.streaming import FLAG_BYTES
+from algorithms.traffic import SyncCost
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,43 +134,6 @@ class ThroughputCurve:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path} is not a JSON curve file") from None
         return cls.from_dict(data, str(path))
-
-
-# ---------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SyncCost:
-    """What a trainer's nodes send per round (sizes per node, in bytes)."""
-
-    sync_bytes: int = 0  # outer_compression: each node's encoded payload (0: fp32 all-reduce of P)
-    fragment_bytes: tuple[int, ...] = ()  # Streaming DiLoCo: each fragment's payload (one collective each)
-    overlap_steps: int = 0  # sync_delay: inner steps a fragment's collective overlaps
-    inner_steps: int = 1
-    statistics_bytes: int = 0  # the batch test's statistics (both reductions; 0: none travel)
-    ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
-    step_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce (gradients and a count); nothing at the end
-
-    def seconds(self, net: Network, num_nodes: int, weight_bytes: int, compute: float) -> float:
-        """What the collectives add after the slowest node's `compute` seconds."""
-        if num_nodes <= 1:
-            return 0.0
-        gathered = self.sync_bytes > 0 and not self.ring
-        flags = FLAG_BYTES * (num_nodes - 1) if self.sync_bytes and self.ring else 0  # each shard message's flag
-
-        def collective(nbytes: int) -> float:
-            return net.allgather(num_nodes, nbytes) if gathered else net.allreduce(num_nodes, nbytes)
-
-        if self.step_bytes:  # one all-reduce after each inner step's backward, not overlapped
-            total = self.inner_steps * net.allreduce(num_nodes, self.step_bytes)
-        elif self.fragment_bytes:
-            hidden = self.overlap_steps * compute / self.inner_steps
-            total = sum(max(0.0, collective(b + flags) - hidden) for b in self.fragment_bytes)
-        else:
-            total = collective(self.sync_bytes or weight_bytes)
-        if self.statistics_bytes:
-            # two reductions: the vector, then the scalars once the trainer's mean is known; a ring's time is
-            # linear in its bytes, so only their number and their total matter (StatisticsWire has the split)
-            total += net.allreduce(num_nodes, self.statistics_bytes) + net.allreduce(num_nodes, 0)
-        return total
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What a run's communication is, decided once (docs/communication.md): how the outer sync, the merges and the
-batch tests' statistics travel, the Streaming DiLoCo schedule, and what each weighs on the wire. controller/build.py
+batch tests' statistics travel, the Streaming DiLoCo schedule, and what each weighs on the wire. cluster/build.py
 builds it from the config and the model; the backend, the clock feed and the round driver take it whole."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from algorithms.calc_batch import REFERENCE_WIRE, StatisticsWire, statistics_payload_bytes
 from algorithms.outer_sync import OuterSync, wire_size
 from algorithms.streaming import StreamingPlan
+from algorithms.traffic import SyncCost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,19 @@ class CommPlan:
     sample_numel: int = 0  # one gradient sample's length (the sketch's dimension when sketched)
     grad_chunks: int = 0  # gradient samples per node and round (0: none are taken)
     statistics_decide: bool = True  # the batch test reads the statistics (False: sent for the log only)
+    inner_steps: int = 1  # num_inner_steps: DDP / SNOO's collectives per round, the span a fragment overlaps
+    overlap_steps: int = 0  # sync_delay: inner steps a streamed fragment's collective overlaps
     sizes: WireSizes | None = None  # what each payload weighs (WireSizes.of)
 
     @property
     def streams(self) -> bool:
         return self.streaming is not None
+
+    def sync_cost(self, statistics_sent: bool) -> SyncCost:
+        """What a trainer's round sends and costs (algorithms/traffic.py), built once per trainer-round and read by
+        the traffic counters and the clock alike. statistics_sent: its nodes' gradient statistics travelled."""
+        sizes = self.sizes
+        return SyncCost(0 if self.outer_sync.exact else sizes.sync_bytes,
+                        sizes.fragment_bytes if self.streams else (), self.overlap_steps, self.inner_steps,
+                        sizes.statistics_bytes if statistics_sent else 0, self.outer_sync.ring,
+                        sizes.gradient_bytes, statistics_for_the_log=not self.statistics_decide)

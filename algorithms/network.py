@@ -1,7 +1,7 @@
 """A network in the alpha-beta model: the one definition of what a message or a collective costs in time.
 
 Used live by the simulated clock (algorithms/clock.py, config `network`) and on finished runs by
-benchmarks/network.py. Bandwidth is per node link and per direction; latency is per message.
+benchmarks/replay.py. Bandwidth is per node link and per direction; latency is per message.
 
     a message of S bytes                     latency + S / bandwidth
     ring all-reduce of S bytes over n nodes  2 (n-1) steps of S/n bytes = 2 (n-1) x latency + 2 (n-1)/n x S / bandwidth
@@ -15,7 +15,11 @@ import math
 import re
 from dataclasses import dataclass
 
-from algorithms.traffic import ring_allreduce_bytes
+
+def ring_allreduce_bytes(num_nodes: int, payload_bytes: int) -> int:
+    """Bytes all nodes together send in a ring all-reduce of `payload_bytes` among `num_nodes` nodes."""
+    return 2 * (num_nodes - 1) * payload_bytes if num_nodes > 1 else 0
+
 
 # named settings (config `network`, benchmarks --network); per node link, per direction
 PRESETS = {
@@ -41,7 +45,7 @@ class Network:
         """A ring all-reduce of `nbytes` among `num_nodes` nodes: 2 (n-1) steps of nbytes / n each."""
         if num_nodes <= 1:
             return 0.0
-        # each node sends its share of the accounting's ring bytes (algorithms/traffic.py), one latency per step
+        # each node sends its share of the accounting's ring bytes, one latency per step
         return 2 * (num_nodes - 1) * self.latency + ring_allreduce_bytes(num_nodes, nbytes) / num_nodes / self.bandwidth
 
     def allgather(self, num_nodes: int, nbytes: float) -> float:

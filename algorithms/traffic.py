@@ -38,10 +38,72 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from algorithms.network import Network, ring_allreduce_bytes
+from algorithms.streaming import FLAG_BYTES
 
-def ring_allreduce_bytes(num_nodes: int, payload_bytes: int) -> int:
-    """Bytes all nodes together send in a ring all-reduce of `payload_bytes` among `num_nodes` nodes."""
-    return 2 * (num_nodes - 1) * payload_bytes if num_nodes > 1 else 0
+__all__ = ["SyncCost", "Traffic", "ring_allreduce_bytes"]
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """One trainer's communication in one round: what its nodes send (bytes, on the definitions above) and how long
+    that takes on a network (seconds, algorithms/network.py's model). The one model of a sync: CommPlan.sync_cost
+    builds it once per trainer-round; the traffic counters (`Traffic.add`), the clock (`seconds`) and the replay of a
+    finished run (benchmarks/replay.py) read it. Sizes are per node, in bytes; `weight_bytes` is P."""
+
+    sync_bytes: int = 0  # outer_compression: each node's encoded payload (0: fp32 all-reduce of P)
+    fragment_bytes: tuple[int, ...] = ()  # Streaming DiLoCo: each fragment's payload (one collective each)
+    overlap_steps: int = 0  # sync_delay: inner steps a fragment's collective overlaps
+    inner_steps: int = 1
+    statistics_bytes: int = 0  # the batch test's statistics (both reductions; 0: none travel)
+    ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
+    step_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce (gradients and a count); nothing at the end
+    statistics_for_the_log: bool = False  # the statistics travel for the log only: counted apart, never priced
+
+    @property
+    def gathered(self) -> bool:
+        """top-k: each node's encoded payload is all-gathered, n (n - 1) x payload in all."""
+        return self.sync_bytes > 0 and not self.ring
+
+    def payloads(self, weight_bytes: int) -> list[int]:
+        """Each collective's payload per node: one per inner step (DDP / SNOO), one per fragment, or the whole
+        model's."""
+        if self.step_bytes:
+            return [self.step_bytes] * self.inner_steps
+        return list(self.fragment_bytes) or [self.sync_bytes or weight_bytes]
+
+    def _flags(self, num_nodes: int) -> int:
+        """A streamed fragment's flag, which each shard message of a ring carries (the payload counts one)."""
+        return FLAG_BYTES * (num_nodes - 1) if self.fragment_bytes and self.sync_bytes and self.ring else 0
+
+    def sent_bytes(self, num_nodes: int, weight_bytes: int) -> int:
+        """All nodes' outer-sync bytes in the round."""
+        if num_nodes <= 1:
+            return 0
+        if self.gathered and not self.step_bytes:
+            return sum(num_nodes * (num_nodes - 1) * b for b in self.payloads(weight_bytes))
+        return sum(ring_allreduce_bytes(num_nodes, b + self._flags(num_nodes)) for b in self.payloads(weight_bytes))
+
+    def seconds(self, net: Network, num_nodes: int, weight_bytes: int, compute: float) -> float:
+        """What the collectives add after the slowest node's `compute` seconds."""
+        if num_nodes <= 1:
+            return 0.0
+
+        def collective(nbytes: int) -> float:
+            return net.allgather(num_nodes, nbytes) if self.gathered else net.allreduce(num_nodes, nbytes)
+
+        if self.step_bytes:  # one all-reduce after each inner step's backward, not overlapped
+            total = self.inner_steps * net.allreduce(num_nodes, self.step_bytes)
+        elif self.fragment_bytes:
+            hidden = self.overlap_steps * compute / self.inner_steps
+            total = sum(max(0.0, collective(b + self._flags(num_nodes)) - hidden) for b in self.fragment_bytes)
+        else:
+            total = collective(self.sync_bytes or weight_bytes)
+        if self.statistics_bytes and not self.statistics_for_the_log:
+            # two reductions: the vector, then the scalars once the trainer's mean is known; a ring's time is
+            # linear in its bytes, so only their number and their total matter (StatisticsWire has the split)
+            total += net.allreduce(num_nodes, self.statistics_bytes) + net.allreduce(num_nodes, 0)
+        return total
 
 
 @dataclass
@@ -64,25 +126,17 @@ class Traffic:
         """What the method sends for its own decisions: the weights traffic and the batch test's statistics."""
         return self.weights_traffic_bytes + self.statistics_bytes
 
-    def trainer_sync(self, num_nodes: int, payload_bytes: int, gathered: bool = False, shard_flag_bytes: int = 0
-                     ) -> None:
-        """One trainer's outer step over `num_nodes` nodes: a ring of the payload (an fp32 all-reduce, or the
-        ring of quantized shards), or (gathered: top-k) an all-gather of each node's encoded payload, n (n - 1) x
-        payload in all. shard_flag_bytes: a streamed fragment's flag, which each shard message of a ring carries
-        (the payload counts one already)."""
+    def add(self, cost: SyncCost, num_nodes: int, weight_bytes: int) -> None:
+        """One trainer's round over `num_nodes` nodes: each collective that crosses nodes counts as a sync; the
+        batch test's statistics count apart (for the log only: apart again, charged to no method)."""
         if num_nodes > 1:
-            self.syncs += 1
-            self.allreduce_bytes += (
-                num_nodes * (num_nodes - 1) * payload_bytes if gathered
-                else ring_allreduce_bytes(num_nodes, payload_bytes + shard_flag_bytes * (num_nodes - 1)))
-
-    def statistics(self, num_nodes: int, payload_bytes: int, for_the_log: bool = False) -> None:
-        """One trainer's batch-test statistics: ring all-reduces of each node's `payload_bytes` (for_the_log: the
-        batch schedule ignores them; they are counted apart)."""
-        if for_the_log:
-            self.logged_statistics_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
+            self.syncs += len(cost.payloads(weight_bytes))
+            self.allreduce_bytes += cost.sent_bytes(num_nodes, weight_bytes)
+        sent = ring_allreduce_bytes(num_nodes, cost.statistics_bytes)
+        if cost.statistics_for_the_log:
+            self.logged_statistics_bytes += sent
         else:
-            self.statistics_bytes += ring_allreduce_bytes(num_nodes, payload_bytes)
+            self.statistics_bytes += sent
 
     def merge(self, moved_bytes: int) -> None:
         self.syncs += 1

@@ -6,7 +6,7 @@ Starts `torchrun --standalone --nproc-per-node N` on itself. The ranks first cal
 numbers on point-to-point messages only: latency = half the round trip of a 4-byte message, bandwidth =
 bytes / (one-way time of a 64 MB message - latency). Then they time all-reduces of several sizes (those of
 a microllama-tiny round among them: the fp32 weights, the fp64 batch-test statistics) and compare each
-with what benchmarks/network.py predicts from the calibrated numbers. When benchmarks/results/distributed/
+with what benchmarks/replay.py predicts from the calibrated numbers. When benchmarks/results/distributed/
 results.json exists (python -m benchmarks.distributed), the collectives of its training rounds are also
 compared with the model's prediction for the same bytes.
 """
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.network import Network  # noqa: E402
+from algorithms.network import Network  # noqa: E402
 
 TINY_WEIGHTS = 7_148_032  # microllama-tiny's fp32 weights (P), as in the benchmark runs
 SIZES = {"8 B (a scalar)": 8, "64 KB": 65_536, "1 MB": 1_000_000, "weights P (microllama-tiny)": TINY_WEIGHTS,

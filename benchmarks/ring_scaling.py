@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from algorithms.network import PRESETS, parse_network  # noqa: E402
 from algorithms.outer_sync import OuterSync  # noqa: E402
-from algorithms.traffic import Traffic  # noqa: E402
+from algorithms.traffic import SyncCost, Traffic  # noqa: E402
 
 WEIGHT_BYTES = 7_148_032  # microllama-tiny's fp32 weights (P)
 SCHEMES = ("none", "bf16", "fp8", "int8", "topk")
@@ -41,14 +41,12 @@ def accounted(scheme: str, n: int, numel: int = WEIGHT_BYTES // 4) -> int:
     """All nodes' bytes for one sync of a trainer of n nodes, by the accounting."""
     sync = OuterSync(scheme)
     traffic = Traffic()
-    traffic.trainer_sync(n, sync.payload_bytes(numel), gathered=not (sync.exact or sync.ring))
+    traffic.add(SyncCost(0 if sync.exact else sync.payload_bytes(numel), ring=sync.ring), n, 4 * numel)
     return traffic.allreduce_bytes
 
 
 def priced(scheme: str, n: int, network: str, numel: int = WEIGHT_BYTES // 4) -> float:
-    """Seconds of one sync on a preset network (the clock's SyncCost)."""
-    from algorithms.clock import SyncCost
-
+    """Seconds of one sync on a preset network (the same SyncCost)."""
     sync = OuterSync(scheme)
     cost = SyncCost(0 if sync.exact else sync.payload_bytes(numel), ring=sync.ring)
     return cost.seconds(parse_network(network), n, WEIGHT_BYTES, 0.0)

@@ -3,7 +3,7 @@
     python -m benchmarks.system [--device cpu|cuda] [--variants fp32,bf16,bf16+compile] [--preset microllama-tiny]
                                 [--batch 8] [--steps 20] [--inner-steps 20] [--repeats 3] [--markdown FILE]
 
-(a) inner-step throughput of one node inside the engine (trainers.Node.run) against a plain PyTorch
+(a) inner-step throughput of one node inside the engine (node.py: Node.run) against a plain PyTorch
     loop of the same model, optimizer, clipping, batches, steps, precision and compile setting, in the
     same process: a ratio, per variant (precision, +compile);
 (b) a real ClusterController's rounds (first variant) split: node rounds (their gradient statistics
@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
 from fabrics.corpus import load_corpus  # noqa: E402
 from fabrics.models import build_model, count_parameters  # noqa: E402
 from fabrics.precision import PRECISIONS, build_precision  # noqa: E402
-from trainers import TRAINERS, Node, NodeJob  # noqa: E402
+from node import Node, NodeJob  # noqa: E402
+from trainers import TRAINERS  # noqa: E402
 from utils.config import load_config  # noqa: E402
 from utils.model_state import float_state  # noqa: E402
 
@@ -173,7 +174,7 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         logger = TrainingLogger(Path(tmp) / "r", TrackerGroup([]), MemoryMonitor(Path(tmp) / "m", cfg.device_names,
                                                                                   TrackerGroup([])))
-        cluster = ClusterController(cfg, model, data, logger, Path(tmp) / "w")
+        cluster = ClusterController.build(cfg, model, data, logger, Path(tmp) / "w")
         times = {"round": 0.0, "statistics": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0, "total": 0.0}
         evaluate = cluster.evaluator.evaluate
 
@@ -231,9 +232,9 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
 
 def write_curve(args, cfg, model, device: str, variant: str) -> int:
     """--curve: the throughput curve of `model` on `device`, written where the clock reads it."""
+    from cluster.max_batch_calculator import NodeShare, find_max_batch_size
+    from cluster.throughput import device_kind, measure_curve
     from trainers import TRAINERS
-    from utils.max_batch_calculator import NodeShare, find_max_batch_size
-    from utils.throughput import device_kind, measure_curve
 
     name, _ = parse_variant(variant)
     precision = build_precision(name)

@@ -18,7 +18,8 @@ from distributed.protocol import NodeFault, RoundResult
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import SummedGradients, synchronous_round
 from fabrics.eval_tool import Evaluator
-from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
+from node import Node, NodeJob, NodeResult, RoundAbandoned
+from trainers import Trainer
 
 
 class InProcessBackend:

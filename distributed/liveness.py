@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 import psutil
 
+from run_dir.run_state import process_start_time
 from utils.errors import UserError
-from utils.run_state import process_start_time
 
 FIRST_CAUSE = "first_cause"
 

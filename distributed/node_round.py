@@ -14,7 +14,7 @@ from algorithms.calc_batch import trainer_statistics
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync
 from distributed.protocol import NodeFault, RoundResult
-from trainers import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
+from node import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
 
 log = logging.getLogger(__name__)
 

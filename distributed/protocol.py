@@ -1,6 +1,6 @@
 """The contract between the controller and a backend: what crosses nodes, and nothing else.
 
-The controller (cluster.py) takes every decision; a backend executes what crosses nodes. Two implement
+The controller (cluster/) takes every decision; a backend executes what crosses nodes. Two implement
 it, side by side in this folder: `in_process.InProcessBackend` (every node in this process, threads or a loop)
 and `torchrun_backend.TorchrunBackend` (one node per torchrun process, collectives). algorithms/,
 trainers.py, `node_round.py` (a node's round and how a trainer's results combine) and `streamed.py` (a Streaming
@@ -18,7 +18,8 @@ import torch
 from algorithms.calc_batch import GradientStatistics
 from algorithms.outer_sync import OuterSync
 from fabrics.eval_tool import EvalResult, Evaluator
-from trainers import NodeJob, Trainer
+from node import NodeJob
+from trainers import Trainer
 
 
 @dataclass

@@ -18,7 +18,8 @@ import torch
 from algorithms.outer_sync import OuterSync, fragment_average, fragment_wire
 from algorithms.streaming import StreamingPlan, mix_fragment
 from distributed.protocol import NodeFault
-from trainers import Node, NodeJob, NodeResult, Trainer
+from node import Node, NodeJob, NodeResult
+from trainers import Trainer
 from utils.model_state import float_state
 
 LEFT = "left"  # a node that left the round on a stop request (torchrun: it still takes part in collectives)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from trainers import GRADIENTS, Node, NodeJob
+from node import GRADIENTS, Node, NodeJob
 
 
 class GradientTransport(Protocol):

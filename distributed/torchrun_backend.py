@@ -1,6 +1,6 @@
 """The round on real processes: each rank runs its own node; collectives replace the in-process combine.
 
-Every rank runs the same controller (cluster.py) and so takes the same decisions from the same numbers.
+Every rank runs the same controller (cluster/) and so takes the same decisions from the same numbers.
 A trainer's weights and outer state live on the processes of its nodes only (`holds` in the controller
 says which). What crosses the network, per round:
 
@@ -53,7 +53,8 @@ from distributed.protocol import NodeFault, RoundResult
 from distributed.ring import QuantizedRing, RingHalf
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import synchronous_round
-from trainers import Node, NodeJob, NodeResult, RoundAbandoned, Trainer
+from node import Node, NodeJob, NodeResult, RoundAbandoned
+from trainers import Trainer
 from utils.errors import UserError
 
 

@@ -18,10 +18,11 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("adloco_cache")
 
 
+# plot_every=0: no PNGs (a plot costs more than a tiny run's steps); the tests of the plots ask for them
 TINY = [
     "num_outer_steps=3", "num_inner_steps=3", "num_init_trainers=2", "nodes_per_gpu=2", "devices=[cpu]",
     "seq_len=32", "val_size=8", "eval_batch_size=8", "initial_batch_size=2", "max_batch_size=4",
-    "merge_frequency=2", "save_weights_every=2", "plot_every=2", "tokenizer=bpe", "tokenizer_vocab_size=512",
+    "merge_frequency=2", "save_weights_every=2", "plot_every=0", "tokenizer=bpe", "tokenizer_vocab_size=512",
     "embedded_sources=[tiny]", "lr_inner=0.003", "clearml_mode=off",
 ]
 

@@ -24,7 +24,7 @@ from algorithms.calc_batch import (
 )
 from algorithms.policies import BestWithWorst, MergePlan, WorstWithWorst, batch_weights, weighted_average
 from algorithms.switch_mode import OnlyDataLoader, OnlyGradientAccumulation, ThresholdSwitchMode
-from algorithms.traffic import Traffic, ring_allreduce_bytes
+from algorithms.traffic import SyncCost, Traffic, ring_allreduce_bytes
 
 
 # --- batch tests ------------------------------------------------------------------------------
@@ -397,20 +397,27 @@ def test_ring_allreduce_bytes_by_hand():
 
 def test_traffic_counts_only_cross_node_syncs():
     traffic = Traffic()
-    traffic.trainer_sync(1, 1000)  # a one-node trainer: no sync, no bytes
-    traffic.trainer_sync(3, 1000)
+    traffic.add(SyncCost(), 1, 1000)  # a one-node trainer: no sync, no bytes
+    traffic.add(SyncCost(), 3, 1000)  # the fp32 weights (P = 1000) in a ring: 2 (n-1) x P
     traffic.merge(2000)
     traffic.node_move(1000)
-    traffic.statistics(2, 100)  # 2 nodes, 100 bytes each: 2 (n-1) x 100, apart from the weights traffic
-    traffic.statistics(1, 100)  # a one-node trainer reduces nothing
-    traffic.statistics(3, 10, for_the_log=True)  # sent for the log only: apart, charged to no method
-    assert traffic.row() == {"rounds": 0, "syncs": 2, "allreduce_bytes": 4000, "merge_bytes": 2000,
+    traffic.add(SyncCost(statistics_bytes=100), 1, 1000)  # a one-node trainer reduces nothing
+    # 2 nodes, 100 bytes of statistics each: 2 (n-1) x 100, apart from the weights traffic (P = 0 here, so its
+    # sync counts and weighs nothing)
+    traffic.add(SyncCost(statistics_bytes=100), 2, 0)
+    traffic.add(SyncCost(statistics_bytes=10, statistics_for_the_log=True), 3, 0)  # for the log only: apart
+    assert traffic.row() == {"rounds": 0, "syncs": 4, "allreduce_bytes": 4000, "merge_bytes": 2000,
                              "node_move_bytes": 1000, "node_moves": 1, "statistics_bytes": 200,
                              "logged_statistics_bytes": 40, "weights_traffic_bytes": 7000, "total_traffic_bytes": 7200}
 
 
 def test_a_compressed_sync_counts_an_all_gather_of_the_payload():
     traffic = Traffic()
-    traffic.trainer_sync(3, 100, gathered=True)  # each of 3 nodes sends its 100 bytes to the 2 others
-    traffic.trainer_sync(1, 100, gathered=True)
+    topk = SyncCost(sync_bytes=100)  # top-k: each of 3 nodes sends its 100 bytes to the 2 others
+    assert topk.gathered and not SyncCost(sync_bytes=100, ring=True).gathered
+    traffic.add(topk, 3, 10**6)
+    traffic.add(topk, 1, 10**6)
     assert (traffic.syncs, traffic.allreduce_bytes) == (1, 600)
+    ddp = SyncCost(step_bytes=40, inner_steps=5)  # DDP: a ring all-reduce after each of 5 inner steps
+    traffic.add(ddp, 2, 10**6)
+    assert (traffic.syncs, traffic.allreduce_bytes) == (6, 600 + 5 * 2 * 40)

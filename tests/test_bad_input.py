@@ -19,11 +19,11 @@ import torch
 
 from fabrics.c4_data import load_local_c4
 from run import main, train
+from run_dir.claim import make_run_dir
+from run_dir.run_state import in_use
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
 from utils.errors import ConfigError, DataError, UserError
-from utils.run_state import in_use
-from utils.utils import make_run_dir
 
 SHARD = ROOT.parent / "shared" / "data" / "c4" / "c4-train.00000-of-01024.first1000.json.gz"
 
@@ -233,7 +233,7 @@ def test_unexpected_errors_are_one_line_with_the_traceback_in_the_log(tiny_confi
 
 
 def test_default_device_memory_shares_half_the_available_memory_up_to_a_bound(monkeypatch):
-    import utils.max_batch_calculator as mbc
+    import cluster.max_batch_calculator as mbc
 
     memory = namedtuple("memory", "available total")
     monkeypatch.setattr(mbc.psutil, "virtual_memory", lambda: memory(2 << 30, 64 << 30))
@@ -244,7 +244,7 @@ def test_default_device_memory_shares_half_the_available_memory_up_to_a_bound(mo
 
 
 def test_the_probe_never_allocates_past_its_budget(monkeypatch, tiny_config):
-    import utils.max_batch_calculator as mbc
+    import cluster.max_batch_calculator as mbc
     from fabrics.models import build_model
     from trainers import DiLoCoTrainer
 
@@ -274,7 +274,7 @@ def test_the_probe_counts_the_optimizer_state_of_every_parameter(tiny_config):
     one fp32 step count per tensor (4 t). The factory once read the generator to pick the fused kernel and
     handed AdamW what was left: no state for the first tensor (the embedding), and on CUDA no parameters at all
     (found by the first GPU check, 2026-11-26)."""
-    import utils.max_batch_calculator as mbc
+    import cluster.max_batch_calculator as mbc
     from fabrics.models import build_model
     from trainers import DiLoCoTrainer
 
@@ -293,7 +293,7 @@ def test_the_cuda_probe_predicts_a_candidate_from_the_two_largest_batches_measur
     flat from 1 to 2 (the optimizer step dominates), then 1.7 MB per sequence. From 8 and 16 the line
     puts 64 at 37.5 + 48 x 13.5 / 8 = 118.5 MB, over a 67 MB budget, so it is not run; the line through 1 and 2
     (14.0 + 63 x 0.1 = 20.3) had let it run, at 120 MB."""
-    from utils.max_batch_calculator import extrapolated_peak
+    from cluster.max_batch_calculator import extrapolated_peak
 
     peaks = {1: 14.0, 2: 14.1, 4: 17.2, 8: 24.0, 16: 37.5}
     assert extrapolated_peak({}, 1) == 0.0 and extrapolated_peak({1: 14.0}, 2) == 0.0  # run before two are known
@@ -421,8 +421,8 @@ def test_the_cpu_probe_frees_what_it_measured(tiny_config):
 
     import torch
 
+    from cluster.max_batch_calculator import _activation_bytes
     from fabrics.models import build_model
-    from utils.max_batch_calculator import _activation_bytes
 
     model = build_model(tiny_config(), 512, 1)
     model.train()

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.clock import Clock, NodeSchedule, NodeWork, SyncCost, ThroughputCurve, TrainerWork
+from algorithms.clock import Clock, NodeSchedule, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.network import Network, parse_network
-from benchmarks.network import read_rounds, replay, timeline
+from algorithms.traffic import SyncCost
+from benchmarks.replay import read_rounds, replay, timeline
 
 MB = 10**6
 SLOW = Network("slow", bandwidth=1 * MB, latency=0.01)  # 1 MB/s, 10 ms: a message of 1 MB takes 1.01 s
@@ -88,7 +89,7 @@ def test_streaming_collectives_are_hidden_by_the_slowest_nodes_inner_steps():
 
 
 def test_flat_equal_speeds_in_lockstep_reproduce_the_first_models_predictions_on_committed_runs():
-    """lockstep_predictions.json holds what benchmarks/network.py predicted for these committed runs before the
+    """lockstep_predictions.json holds what benchmarks/replay.py predicted for these committed runs before the
     clock existed (every trainer's round starting together, moves after the merges). The clock replays the same
     logs with a flat curve and equal speeds: lockstep gives those numbers; independent trainers are never later."""
     expected = json.loads((FIXTURES / "lockstep_predictions.json").read_text())

@@ -172,7 +172,7 @@ def test_curve_files_that_lie_are_refused_or_named(cache_dir, tmp_path, capsys):
 
 
 def test_a_measured_curve_is_cached_and_reused(tiny_config, tmp_path):
-    from utils.throughput import cached_curve
+    from cluster.throughput import cached_curve
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_a_measured_curve_is_cached_and_reused(tiny_config, tmp_path):
 def test_throughput_measured_measures_once_logs_the_curve_and_reuses_the_cache(tiny_config, cache_dir, tmp_path):
     """throughput: measured runs benchmarks.system's curve code on the node's device before training (micro-batches
     1, 2, 4 = the max batch, accumulation 1, 2, 4), caches it, and a second run reads the cache."""
-    from utils.throughput import curve_batches
+    from cluster.throughput import curve_batches
 
     assert curve_batches(4) == [1, 2, 4] and curve_batches(6) == [1, 2, 4, 6] and curve_batches(1) == [1]
     cfg = tiny_config("throughput=measured", "num_outer_steps=1")

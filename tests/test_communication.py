@@ -199,20 +199,22 @@ def test_an_owner_sums_in_fp32_and_re_encodes_the_mean_with_its_own_scale_by_han
 
 
 def test_the_ring_sends_two_n_minus_one_payloads_in_all_and_falls_with_the_compression_at_any_n():
-    from algorithms.traffic import Traffic
+    from algorithms.traffic import SyncCost, Traffic
 
     def sent(n, payload, **how):
         traffic = Traffic()
-        traffic.trainer_sync(n, payload, **how)
+        traffic.add(SyncCost(**how), n, payload)  # payload: P, the fp32 weights
         return traffic.allreduce_bytes
 
     assert sent(4, 100) == 2 * 3 * 100  # a ring all-reduce of the payload
-    assert sent(4, 100, gathered=True) == 4 * 3 * 100  # top-k: all-gathered
-    assert sent(4, 104, shard_flag_bytes=4) == 2 * 3 * (100 + 4 * 4)  # a fragment: each shard message's flag
+    assert sent(4, 0, sync_bytes=100) == 4 * 3 * 100  # top-k: all-gathered
+    assert sent(4, 0, sync_bytes=100, ring=True) == 2 * 3 * 100  # a ring of quantized shards
+    # a fragment: each shard message carries the flag
+    assert sent(4, 0, sync_bytes=99, fragment_bytes=(104,), ring=True) == 2 * 3 * (100 + 4 * 4)
     numel = 3_478_016 // 4  # microllama-tiny's weights
     for n in (2, 4, 8, 16, 64):
         fp32 = sent(n, 4 * numel)
-        assert sent(n, OuterSync("int8").payload_bytes(numel)) <= 0.30 * fp32
+        assert sent(n, 4 * numel, sync_bytes=OuterSync("int8").payload_bytes(numel), ring=True) <= 0.30 * fp32
         assert sent(n, OuterSync("fp8").payload_bytes(numel)) <= 0.30 * fp32
         assert sent(n, OuterSync("bf16").payload_bytes(numel)) <= 0.55 * fp32
 

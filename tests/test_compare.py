@@ -9,7 +9,7 @@ import yaml
 
 from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
-from benchmarks.network import accounted_bytes, read_rounds
+from benchmarks.replay import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
 
@@ -245,7 +245,7 @@ def test_without_max_tokens_the_budget_run_is_adloco_seed_0_itself(tmp_path, cac
 
 
 def test_the_harness_never_clears_a_directory_a_live_run_holds(tmp_path, cache_dir):
-    from utils.run_state import RunLock
+    from run_dir.run_state import RunLock
 
     run_dir = tmp_path / "compare" / "runs" / "diloco_b2_seed0"
     run_dir.mkdir(parents=True)

@@ -6,10 +6,10 @@ import sys
 import pytest
 import yaml
 
+from run_dir.run_config import load_run_config
 from tests.conftest import ROOT
 from utils.config import TABLE_END, TABLE_START, Config, load_config, markdown_table
 from utils.errors import ConfigError
-from utils.run_config import load_run_config
 
 
 def test_default_config_file_is_valid():

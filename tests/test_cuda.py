@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from fabrics.precision import PRECISIONS
+from node import Node, NodeJob
 from run import train
 from tests.conftest import ROOT, TINY
-from trainers import Node, NodeJob
 from utils.config import load_config
 
 pytestmark = pytest.mark.cuda
@@ -135,10 +135,10 @@ def test_batch_statistics_on_the_device_equal_the_cpu_ones(within_node):
 
 
 def test_the_cuda_probe_stays_within_its_budget_and_leaves_nothing(tiny_config, monkeypatch):
+    from cluster.max_batch_calculator import NodeShare, find_max_batch_size
     from fabrics.corpus import load_corpus
     from fabrics.models import build_model
     from trainers import TRAINERS
-    from utils.max_batch_calculator import NodeShare, find_max_batch_size
 
     cfg = tiny_config("devices=[cuda]", "nodes_per_gpu=4")
     data = load_corpus(cfg)

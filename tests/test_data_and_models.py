@@ -6,12 +6,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from cluster.max_batch_calculator import NodeShare, find_max_batch_size
 from fabrics.corpus import load_corpus
 from fabrics.dataset_loader import WHEEL_SHA256, fetch_wheel, parse_documents
 from fabrics.models import build_model, load_preset
 from tests.conftest import ROOT
 from utils.errors import DataError, UserError
-from utils.max_batch_calculator import NodeShare, find_max_batch_size
 
 
 def test_parse_documents_in_each_files_convention():
@@ -92,9 +92,9 @@ def test_simulated_cuda_devices_on_one_card_share_its_memory():
     """The 16-node reading of the paper's cluster simulates 4 GPUs on one card with 4 nodes each: every one of the 16
     nodes gets a sixteenth of the card's free memory (not a quarter, as if each simulated device owned the card), and
     a device's own memory_mb caps its nodes' share. The authors' reading: 4 nodes on the card, a quarter each."""
-    from controller.build import nodes_on_card
+    from cluster.build import nodes_on_card
+    from cluster.max_batch_calculator import MiB, NodeShare
     from utils.config import load_config
-    from utils.max_batch_calculator import MiB, NodeShare
 
     paper = load_config(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml")
     assert (paper.total_nodes, paper.num_init_trainers, nodes_on_card(paper, "cuda:0")) == (16, 4, 16)

@@ -485,7 +485,7 @@ def test_torchrun_streaming_with_fragments_in_flight_equals_the_simulated_cluste
     backends take the same decisions with the same numbers, and the collectives sent what the accounting says,
     one ring per fragment (each shard message with its sender's 4 flag bytes)."""
     from algorithms.streaming import fragment_names
-    from benchmarks.network import accounted_bytes, read_rounds
+    from benchmarks.replay import accounted_bytes, read_rounds
     from fabrics.models import build_model
     from utils.config import load_config
 

@@ -22,7 +22,7 @@ def rows_of(run_dir):
 
 def test_tiny_run_end_to_end(tiny_config):
     cfg = tiny_config("run_name=e2e", "num_outer_steps=4", "max_batch_size=2", "initial_batch_size=3",
-                      "ETA=0.3", "max_requested_batch=8")
+                      "ETA=0.3", "max_requested_batch=8", "plot_every=2")
     run_dir, summary = train(cfg)
     for name in ("training_log.log", "config.yaml", "metrics.jsonl", "summary.json",
                  "model_training_report/training_log.csv", "model_training_report/merge_events.csv",
@@ -114,9 +114,10 @@ def test_bad_checkpoint_and_existing_run_dir_are_user_errors(tiny_config, tmp_pa
     assert (tmp_path / "logs" / "taken" / "keep.txt").read_text() == "precious"
 
 
-def test_summary_is_json(tiny_config):
-    run_dir, summary = train(tiny_config("run_name=s", "num_outer_steps=1"))
+def test_summary_is_json_and_plot_every_0_draws_no_plots(tiny_config):
+    run_dir, summary = train(tiny_config("run_name=s", "num_outer_steps=1", "plot_every=0"))
     assert json.loads((run_dir / "summary.json").read_text())["final_trainer"] == summary["final_trainer"]
+    assert (run_dir / "model_training_report" / "training_log.csv").is_file() and not list(run_dir.rglob("*.png"))
 
 
 def test_a_batch_test_capped_by_max_requested_batch_says_so(tiny_config, tmp_path):

@@ -44,7 +44,7 @@ def test_imdb_local_files_load_balanced(tiny_config, tmp_path):
 
 def test_bert_imdb_end_to_end_accuracy(tiny_config, tmp_path):
     cfg = bert_config(tiny_config, write_imdb(tmp_path / "imdb"), "num_outer_steps=4", "num_inner_steps=8",
-                      "lr_inner=0.003", "run_name=bert")
+                      "lr_inner=0.003", "run_name=bert", "plot_every=4")
     run_dir, summary = train(cfg)
     assert summary["metric"] == "val_accuracy"
     assert summary["final_metric"] >= 0.9 and summary["final_metric"] > summary["initial_metric"]

@@ -4,9 +4,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("algorithms", "utils", "fabrics", "distributed", "controller", "training_logs", "gradient_analysis", "c4",
-            "benchmarks")
-TOP = ("cluster", "trainers", "run", "lifecycle")
+PACKAGES = ("algorithms", "utils", "fabrics", "distributed", "cluster", "run_dir", "training_logs", "gradient_analysis",
+            "c4", "benchmarks")
+TOP = ("node", "trainers", "run")
 # algorithms/ and utils/ are the floors: they never import the floors above them
 LOWER = {"algorithms": ("algorithms",), "utils": ("utils", "algorithms")}
 
@@ -69,13 +69,32 @@ def test_the_graph_is_read():  # the checks above look at real imports, not an e
 
 
 def test_the_cluster_parts_sit_below_the_controller_and_the_backends_below_them():
-    """controller/ (the cluster's parts) never imports cluster.py, run.py or lifecycle.py; distributed/ (the
-    backends) never imports controller/ or cluster.py: a backend executes, it does not decide."""
-    above = {"controller": ("cluster", "run", "lifecycle"),
-             "distributed": ("controller", "cluster", "run", "lifecycle")}
-    wrong = [f"{module} imports {target}" for module, targets in _graph().items()
-             for folder, forbidden in above.items() if module.startswith(folder + ".")
-             for target in targets if target.split(".")[0] in forbidden]
-    assert not wrong, wrong
+    """cluster/'s parts never import its controller, run.py or the run directory's session; distributed/ (the
+    backends) never imports cluster/: a backend executes, it does not decide; node.py and trainers.py sit below both."""
+    above = {"cluster": ("cluster.controller", "run", "run_dir"),
+             "distributed": ("cluster", "run", "run_dir.lifecycle"),
+             "node": ("cluster", "distributed", "trainers", "run", "run_dir"),
+             "trainers": ("cluster", "distributed", "node", "run", "run_dir"),
+             "run_dir": ("cluster", "run")}
     graph = _graph()
-    assert "controller.round_driver" in graph["cluster"] and "distributed.protocol" in graph["controller.build"]
+    wrong = [f"{module} imports {target}" for module, targets in graph.items()
+             for folder, forbidden in above.items() if module == folder or module.startswith(folder + ".")
+             for target in targets if module != "cluster.controller"
+             for f in forbidden if target == f or target.startswith(f + ".")]
+    assert not wrong, wrong
+    assert "cluster.round_driver" in graph["cluster.build"] and "distributed.protocol" in graph["cluster.build"]
+    assert "cluster.build" in graph["cluster.controller"] and "node" in graph["distributed.node_round"]
+
+
+def test_one_composition_root_builds_the_cluster():
+    """Only cluster/build.py makes the backend, the clock feed, the round driver and the state (a benchmark may build
+    one part alone to measure it)."""
+    import re
+
+    makers = {}
+    for name, path in _project_modules().items():
+        for part in ("InProcessBackend", "TorchrunBackend", "ClockFeed", "RoundDriver", "ClusterState"):
+            if re.search(rf"\b{part}\(", path.read_text()) and not name.startswith("benchmarks"):
+                makers.setdefault(part, set()).add(name)
+    assert makers["ClockFeed"] == makers["RoundDriver"] == makers["ClusterState"] == {"cluster.build"}
+    assert makers["InProcessBackend"] == makers["TorchrunBackend"] == {"cluster.build"}

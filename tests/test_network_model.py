@@ -1,21 +1,11 @@
-"""The network cost model of benchmarks/network.py on hand-computed cases (lockstep=True: one round alone;
+"""The network cost model of benchmarks/replay.py on hand-computed cases (lockstep=True: one round alone;
 algorithms/clock.py's own cases are in test_clock.py)."""
 
 import pytest
 
-from algorithms.traffic import ring_allreduce_bytes
-from benchmarks.network import (
-    PRESETS,
-    MergeWork,
-    Network,
-    RoundWork,
-    TrainerRound,
-    accounted_bytes,
-    parse_bandwidth,
-    parse_latency,
-    parse_network,
-    timeline,
-)
+from algorithms.network import PRESETS, Network, parse_bandwidth, parse_latency, parse_network
+from algorithms.traffic import SyncCost, ring_allreduce_bytes
+from benchmarks.replay import MergeWork, RoundWork, TrainerRound, accounted_bytes, timeline
 
 MB = 1e6
 SLOW = Network("slow", bandwidth=1 * MB, latency=0.01)  # 1 MB/s, 10 ms
@@ -59,7 +49,7 @@ def test_a_trainer_whose_nodes_all_failed_costs_nothing():
 
 
 def test_one_node_trainer_costs_no_communication():
-    work = RoundWork(1, [TrainerRound(num_nodes=1, tokens=3000, statistics_bytes=10**9)], merges=[])
+    work = RoundWork(1, [TrainerRound(num_nodes=1, tokens=3000, sync=SyncCost(statistics_bytes=10**9))], merges=[])
     spent = round_time(work, SLOW, node_throughput=1000, weight_bytes=10**9)
     assert spent.total == spent.compute == pytest.approx(3.0) and spent.communication == 0
 
@@ -88,7 +78,7 @@ def test_a_round_by_hand_trainers_in_parallel_merges_by_survivor_moves_in_parall
 
 def test_statistics_add_their_vector_all_reduce_and_a_scalar_one():
     plain = RoundWork(1, [TrainerRound(4, 4000)], merges=[])
-    with_stats = RoundWork(1, [TrainerRound(4, 4000, statistics_bytes=2 * 10**6 + 56)], merges=[])
+    with_stats = RoundWork(1, [TrainerRound(4, 4000, sync=SyncCost(statistics_bytes=2 * 10**6 + 56))], merges=[])
     extra = (round_time(with_stats, SLOW, 1000, 10**6).total - round_time(plain, SLOW, 1000, 10**6).total)
     assert extra == pytest.approx(SLOW.allreduce(4, 2 * 10**6) + SLOW.allreduce(4, 56))
 
@@ -98,7 +88,7 @@ def test_a_gathered_compressed_sync_is_an_all_gather_of_the_payload():
     3 steps of (latency + 250 kB / bandwidth), instead of the fp32 ring all-reduce's 6 steps of P / 4; the
     accounting charges n (n-1) x C."""
     fp32 = RoundWork(1, [TrainerRound(4, 4000)], merges=[])
-    int8 = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000)], merges=[])
+    int8 = RoundWork(1, [TrainerRound(4, 4000, sync=SyncCost(sync_bytes=250_000))], merges=[])
     assert round_time(int8, SLOW, 1000, 10**6).communication == pytest.approx(3 * (SLOW.latency + 250_000 / MB))
     assert round_time(fp32, SLOW, 1000, 10**6).communication == pytest.approx(6 * (SLOW.latency + 250_000 / MB))
     assert accounted_bytes([int8], 10**6) == 4 * 3 * 250_000
@@ -108,11 +98,11 @@ def test_a_gathered_compressed_sync_is_an_all_gather_of_the_payload():
 def test_a_compressed_ring_costs_what_a_ring_all_reduce_of_the_payload_does():
     """4 nodes, a 250 kB int8 payload as a ring of quantized shards: 6 steps of (latency + 62.5 kB / bandwidth),
     2 (n-1) x C in all; a streamed fragment's shard messages each carry the sender's 4-byte flag."""
-    ring = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000, ring=True)], merges=[])
+    ring = RoundWork(1, [TrainerRound(4, 4000, sync=SyncCost(sync_bytes=250_000, ring=True))], merges=[])
     assert round_time(ring, SLOW, 1000, 10**6).communication == pytest.approx(6 * (SLOW.latency + 62_500 / MB))
     assert accounted_bytes([ring], 10**6) == 2 * 3 * 250_000
-    fragments = RoundWork(1, [TrainerRound(4, 4000, sync_bytes=250_000, fragment_bytes=(125_008, 125_008),
-                                           ring=True)], merges=[])
+    fragment = SyncCost(sync_bytes=250_000, fragment_bytes=(125_008, 125_008), ring=True)
+    fragments = RoundWork(1, [TrainerRound(4, 4000, sync=fragment)], merges=[])
     assert accounted_bytes([fragments], 10**6) == 2 * 2 * 3 * (125_004 + 4 * 4)
 
 
@@ -120,7 +110,8 @@ def test_streaming_fragments_cost_only_what_the_delay_does_not_hide():
     """2 nodes, 1000 tokens per node at 1000 tokens/s over H = 10 inner steps (0.1 s each); two fragments of
     0.5 MB (+4 bytes): each ring all-reduce takes 2 x 10 ms + 0.5 MB / (1 MB/s) = 0.52 s (the 4 bytes aside)."""
     def work(delay):
-        fragments = TrainerRound(2, 2000, fragment_bytes=(500_004, 500_004), overlap_steps=delay, inner_steps=10)
+        fragments = TrainerRound(2, 2000, sync=SyncCost(fragment_bytes=(500_004, 500_004), overlap_steps=delay,
+                                                        inner_steps=10))
         return RoundWork(1, [fragments], merges=[])
 
     one = SLOW.allreduce(2, 500_004)
@@ -131,8 +122,9 @@ def test_streaming_fragments_cost_only_what_the_delay_does_not_hide():
     fast = Network("fast", bandwidth=100 * MB, latency=0.001)  # 2 x 1 ms + 5 ms < one inner step: all hidden
     assert round_time(work(1), fast, 1000, 10**6).communication == 0.0
     assert accounted_bytes([work(1)], 10**6) == 2 * ring_allreduce_bytes(2, 500_004)
-    gathered = TrainerRound(2, 2000, sync_bytes=250_000, fragment_bytes=(125_008, 125_008), overlap_steps=1,
-                            inner_steps=10)  # compressed: each fragment's payload all-gathered
+    # compressed: each fragment's payload all-gathered
+    gathered = TrainerRound(2, 2000, sync=SyncCost(sync_bytes=250_000, fragment_bytes=(125_008, 125_008),
+                                                   overlap_steps=1, inner_steps=10))
     assert accounted_bytes([RoundWork(1, [gathered], merges=[])], 10**6) == 2 * 2 * 1 * 125_008
     assert round_time(RoundWork(1, [gathered], merges=[]), SLOW, 1000, 10**6).communication == \
         pytest.approx(2 * (SLOW.allgather(2, 125_008) - 0.1))

@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fabrics.dataset_loader import PackedData, ShardSampler, pack
 from fabrics.eval_tool import Evaluator
-from trainers import DiLoCoTrainer, LocalSGDTrainer, Node, NodeJob
+from node import Node, NodeJob
+from trainers import DiLoCoTrainer, LocalSGDTrainer
 from utils.config import load_config
 from utils.model_state import float_state
 

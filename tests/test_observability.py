@@ -128,7 +128,7 @@ def test_tensorboard_scalars_read_back(tiny_config):
 
 
 def test_memory_step_loss_and_plots_of_a_run(tiny_config):
-    run_dir, summary = train(tiny_config("run_name=obs", "num_outer_steps=2", "merge_frequency=2"))
+    run_dir, summary = train(tiny_config("run_name=obs", "num_outer_steps=2", "merge_frequency=2", "plot_every=2"))
     with (run_dir / "memory_report" / "memory_log.csv").open() as f:
         memory = list(csv.DictReader(f))
     stages = [(r["outer_step"], r["stage"]) for r in memory]
@@ -277,7 +277,7 @@ def test_older_files_are_read_and_resumed_under_the_traffic_names_that_say_what_
     """summary.json and training_log.csv once called the weights' traffic bytes_communicated, while a run's final
     line "MB communicated" also counts the batch test's statistics, and the total bytes_needed. Files of older
     versions are read, and an older run is resumed, under weights_traffic_bytes and total_traffic_bytes."""
-    from lifecycle import sent_line
+    from run_dir.lifecycle import sent_line
     from training_logs.csv_files import start_csv
     from training_logs.records import TrainerRow, columns, read_records, value_of
 

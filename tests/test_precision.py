@@ -8,9 +8,9 @@ import torch
 
 from cluster import master_device_of
 from fabrics.precision import PRECISIONS
+from node import Node, NodeJob
 from run import train
 from tests.conftest import ROOT, TINY
-from trainers import Node, NodeJob
 from utils.config import load_config
 from utils.errors import ConfigError
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from run import main, resume_config, train
+from run_dir.run_state import RunLock, in_use
 from tests.conftest import ROOT, TINY
 from utils.checkpoint import (
     MANIFEST,
@@ -32,7 +33,6 @@ from utils.checkpoint import (
 )
 from utils.config import load_config
 from utils.errors import ConfigError, TrainingFault, UserError
-from utils.run_state import RunLock, in_use
 
 RESUMABLE = [*TINY, "max_batch_size=2", "initial_batch_size=3", "ETA=0.3", "max_requested_batch=8",
              "num_init_trainers=4", "devices=[cpu,cpu]", "outer_momentum=0.9", "outer_nesterov=true",
@@ -323,13 +323,13 @@ def test_sigkill_loses_only_the_work_since_the_last_checkpoint(reference, tmp_pa
 def test_a_stop_inside_a_threaded_round_resumes_exactly(reference, tmp_path, cache_dir, monkeypatch):
     """The stop arrives while node 1 works on outer step 3, the nodes running as threads: the round is
     abandoned, the state after step 2 is checkpointed, and the resumed run is the uninterrupted one."""
-    import trainers
+    import node as node_module
     from utils.errors import RunStopped
     from utils.signals import StopSignals
 
     stop = StopSignals()
     calls = {"node 1": 0}
-    real_run = trainers.Node.run
+    real_run = node_module.Node.run
 
     def run(node, job):
         if node.node_id == 1:
@@ -339,7 +339,7 @@ def test_a_stop_inside_a_threaded_round_resumes_exactly(reference, tmp_path, cac
                 stop.event.set()  # what the signal handler does
         return real_run(node, job)
 
-    monkeypatch.setattr(trainers.Node, "run", run)
+    monkeypatch.setattr(node_module.Node, "run", run)
     cfg = load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path, "run_name=threads", "node_execution=threads",
                                                       f"num_outer_steps={STEPS}"))
     with pytest.raises(RunStopped, match="stopped by SIGTERM after outer step 2"):
@@ -819,7 +819,7 @@ def test_a_streaming_run_made_when_fragment_alpha_weighed_the_global_copy_is_ref
     on resume, one without streaming (where fragment_alpha did nothing) resumes as it ran."""
     import hashlib
 
-    from utils.run_config import load_run_config
+    from run_dir.run_config import load_run_config
 
     streamed = ["run_name=streamed", "num_outer_steps=1", "num_inner_steps=2", "sync_fragments=2",
                 "fragment_alpha=0.25"]

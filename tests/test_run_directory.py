@@ -12,10 +12,10 @@ import subprocess
 import sys
 import time
 
+from run_dir.claim import make_run_dir
+from run_dir.run_state import RunLock, in_use
 from tests.conftest import ROOT, TINY
 from utils.errors import UserError
-from utils.run_state import RunLock, in_use
-from utils.utils import make_run_dir
 
 
 def _wait_for(predicate, proc, timeout=180.0):
@@ -108,7 +108,7 @@ def test_a_stale_lock_never_blocks_and_a_held_one_always_does(tmp_path):
         lock.release()
     # a holder that dies without releasing (SIGKILL) frees the directory at once
     holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-                               "from utils.run_state import RunLock\n"
+                               "from run_dir.run_state import RunLock\n"
                                f"RunLock({str(run_dir)!r}).acquire(); print('held', flush=True)\n"
                                "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

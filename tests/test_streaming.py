@@ -6,9 +6,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from algorithms.comm_plan import CommPlan
 from algorithms.streaming import StreamingPlan, SyncEvent, fragment_names, layer_units, mix_fragment, sync_schedule
-from cluster import InProcessBackend
+from distributed.in_process import InProcessBackend
 from fabrics.dataset_loader import PackedData, ShardSampler
-from trainers import DiLoCoTrainer, Node, NodeJob
+from node import Node, NodeJob
+from trainers import DiLoCoTrainer
 from utils.config import load_config
 from utils.model_state import float_state
 

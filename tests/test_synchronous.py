@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from cluster import InProcessBackend
+from distributed.in_process import InProcessBackend
 from fabrics.dataset_loader import PackedData, ShardSampler
+from node import Node, NodeJob
 from run import train
 from tests.test_streaming import tiny_model
-from trainers import DDPTrainer, DiLoCoTrainer, Node, NodeJob, SNOOTrainer
+from trainers import DDPTrainer, DiLoCoTrainer, SNOOTrainer
 from utils.config import load_config
 from utils.errors import ConfigError
 from utils.model_state import float_state
@@ -98,7 +99,8 @@ def test_ddp_sends_h_times_dilocos_weights_bytes_per_token_and_snoo_the_same(tmp
     """At the same nodes and batch: DiLoCo one all-reduce of the weights per round, DDP one of the gradients (and a
     4-byte count) per inner step, so H times the bytes per token; SNOO's bytes are DDP's. The clock and the
     network model price them alike."""
-    from benchmarks.network import accounted_bytes, parse_network, read_rounds, timeline
+    from algorithms.network import parse_network
+    from benchmarks.replay import accounted_bytes, read_rounds, timeline
 
     common = [*BASE, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "network=consumer"]
     runs = {}

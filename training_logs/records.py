@@ -1,7 +1,7 @@
 """The rows of a run's CSV files as dataclasses: a record's fields are its file's columns, in order.
 
 The logger writes them (training_monitoring.py, step_loss_logger.py); the harness (benchmarks/compare/reader.py),
-the network model (benchmarks/network.py) and the plots (plots.py) read them back with `read_records`, as typed
+the network model (benchmarks/replay.py) and the plots (plots.py) read them back with `read_records`, as typed
 records (an empty cell is None). A new column is one field here, and the value its producer puts in the row.
 """
 

@@ -6,7 +6,7 @@ One concern per module: the keys (`utils/config_schema.py`: every field carries 
 the key is, see `_f`), the cross-key rules and warnings (`utils/config_rules.py`), the generic typed-YAML loader
 (`utils/typed_yaml.py`), the docs table (`utils/config_docs.py`: `python -m utils.config --markdown` prints it,
 `--update-docs` rewrites docs/configuration.md) and reading a run directory's config in today's meaning
-(`utils/run_config.py`). This face adds the checks and the hash that decides whether a checkpoint resumes.
+(`run_dir/run_config.py`). This face adds the checks and the hash that decides whether a checkpoint resumes.
 """
 
 from __future__ import annotations

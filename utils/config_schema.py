@@ -244,7 +244,7 @@ class ConfigFields:
                                "0.5 with a delay). Applied with sync_fragments 1 and sync_delay 0 too.",
                                added_later=True)
     fragment_alpha_weighs: str = _f("local", "Marks fragment_alpha's meaning since 2026-11-24 in a run's config.yaml; "
-                                    "a run without it is read as utils.run_config.load_run_config says.",
+                                    "a run without it is read as run_dir.run_config.load_run_config says.",
                                     choices=("local",), added_later=True)
     section("the simulated clock")  # docs/clock.md
     network: str = _f("datacentre", "The simulated cluster's network: a preset (datacentre, cross-region, consumer) "
@@ -278,7 +278,8 @@ class ConfigFields:
     keep_checkpoints: int = _f(3, "Keep the newest this many complete checkpoints in model_weights (final included; "
                                "0 = keep all). Older ones are deleted only after a newer one is written and verified; "
                                "final is never deleted.", min=0, resume=True)
-    plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end).", min=1, resume=True)
+    plot_every: int = _f(4, "Redraw the PNG plots every this many outer steps (and at the end); 0: no PNG plots "
+                         "(sweeps and tests, where each plot costs more than the run's steps).", min=0, resume=True)
     section("tracking")
     clearml_mode: str = _f("auto", "ClearML tracking: online, offline (a session zip to import later), auto "
                            "(online when ClearML credentials are configured, else offline) or off.",

@@ -92,16 +92,6 @@ def check_data(cfg: Config) -> None:
             raise DataError(f"imdb_local_path: directory not found: {path}")
 
 
-def check_run_name(cfg: Config) -> None:
-    """A named run directory that already holds a run (or something else) is refused now, not after loading."""
-    from utils.utils import refused_run_name
-
-    if cfg.run_name:
-        problem = refused_run_name(Path(cfg.log_dir).expanduser() / cfg.run_name)
-        if problem:
-            raise UserError(problem)
-
-
 SKETCH_BYTES_PER_DIM = 2 * 8  # per node: its two gradient samples sketched, fp64 (algorithms/sketch.py)
 
 
@@ -136,9 +126,9 @@ def check_statistics_memory(cfg: Config) -> None:
                               "to be small (default 16384, relative error about sqrt(2/k))")
 
 
-def check_before_work(cfg: Config, resuming: bool) -> None:
+def check_before_work(cfg: Config) -> None:
+    """The model, the data paths and the statistics' memory, before any data work (run_dir/claim.py checks
+    run_name)."""
     check_model(cfg)
     check_data(cfg)
     check_statistics_memory(cfg)
-    if not resuming:
-        check_run_name(cfg)

@@ -77,7 +77,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import network
+from algorithms import network
 from utils.config import CLUSTER_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """Pricing the finished runs: each on its own simulated clock (--cluster), and on the network cost model
-(benchmarks/network.py) per --network and over a grid of bandwidths (the crossover)."""
+(benchmarks/replay.py) per --network and over a grid of bandwidths (the crossover)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import csv
 import statistics
 from pathlib import Path
 
+from algorithms import network
 from algorithms.clock import ThroughputCurve
-from benchmarks import network
+from benchmarks import replay
 from benchmarks.compare.options import Options, parse_networks
 from benchmarks.compare.reader import first_reaching, value_at
 from benchmarks.compare.shared import mean_std, plt_, table
@@ -52,7 +53,7 @@ def cluster_sections(results: dict[str, list[dict]], metric: str, report_target:
 
 
 def network_report(results: dict[str, list[dict]], metric: str, args: Options, out: Path) -> list[str]:
-    """Predicted wall time on each --network (benchmarks/network.py): network.csv, crossover.csv, two plots,
+    """Predicted wall time on each --network (benchmarks/replay.py): network.csv, crossover.csv, two plots,
     and the report's markdown lines."""
     predicted = predict_on_networks(results, metric, args)
     rows, crossover, target = predicted["rows"], predicted["crossover"], predicted["target"]
@@ -65,7 +66,7 @@ def network_report(results: dict[str, list[dict]], metric: str, args: Options, o
     families = _families(results)
     figures = [_plot_network(predicted["panels"], families, target, metric, out),
                _plot_crossover(crossover, families, target, metric, predicted["crossover_latency"], out)]
-    lines = ["## Predicted wall time on a network (benchmarks/network.py)", "",
+    lines = ["## Predicted wall time on a network (benchmarks/replay.py)", "",
              "A cost model, not a measurement: each run's logged rounds (tokens per node, nodes per trainer, merges, "
              f"node moves) priced at {_throughput_words(predicted['throughput'], args)} plus, per "
              "synchronisation, latency + bytes / bandwidth (ring all-reduce for a trainer's nodes, a ring of "
@@ -148,7 +149,7 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
     nets, crossover_latency = parse_networks(args)
     runs = [r for rs in results.values() for r in rs]
     for r in runs:
-        r["rounds_work"], r["weight_bytes"], _ = network.read_rounds(r["run_dir"], statistics=not args.no_statistics)
+        r["rounds_work"], r["weight_bytes"], _ = replay.read_rounds(r["run_dir"], statistics=not args.no_statistics)
     measured = sum(r["curve"][-1]["tokens"] for r in runs) / max(sum(r["curve"][-1]["wall"] for r in runs), 1e-9)
     throughput = ThroughputCurve.load(args.throughput_curve) if args.throughput_curve else \
         args.node_throughput or measured
@@ -157,7 +158,7 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
         curves = {}
         for name, rs in results.items():
             for r in rs:
-                times, compute = network.timeline(r["rounds_work"], net, throughput, r["weight_bytes"])
+                times, compute = replay.timeline(r["rounds_work"], net, throughput, r["weight_bytes"])
                 curve = [{**p, "time": times[p["step"]]} for p in r["curve"] if p["step"] in times]
                 curve[-1]["compute"] = compute
                 curves.setdefault(name, []).append(curve)
@@ -183,7 +184,7 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
                                                           else 0.0 for c in cs)})
         panels.append((net, curves, budget))
     crossover = []  # which variant reaches the target first, bandwidth by bandwidth
-    for bandwidth in network.bandwidth_grid():
+    for bandwidth in replay.bandwidth_grid():
         reach = {name: _time_to(cs, target, higher)
                  for name, cs in timed(network.Network("grid", bandwidth, crossover_latency)).items()}
         row = crossover_row(reach, families)

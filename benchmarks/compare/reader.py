@@ -150,16 +150,16 @@ def first_reaching(curve: list[dict], target: float, key: str, higher_is_better:
 
 
 def repriced(run_dir: Path, summary: dict, curve: list[dict], cfg: Config) -> dict:
-    """The run's rounds replayed through the clock `cfg` describes (benchmarks/network.py: the same clock the run
+    """The run's rounds replayed through the clock `cfg` describes (benchmarks/replay.py: the same clock the run
     drove live, fed from its logs): the curve's sim_time in place, and the summary's clock figures."""
     from algorithms.clock import ThroughputCurve
     from algorithms.network import describe, parse_network
-    from benchmarks import network
+    from benchmarks import replay
 
-    rounds, weight_bytes, _ = network.read_rounds(run_dir)  # what the run's live clock charged
+    rounds, weight_bytes, _ = replay.read_rounds(run_dir)  # what the run's live clock charged
     throughput = ThroughputCurve.flat(cfg.node_tokens_per_s) if cfg.throughput == "flat" else \
         ThroughputCurve.load(cfg.throughput)
-    clock, times = network.replay(rounds, parse_network(cfg.network), throughput, weight_bytes, cfg.node_speeds)
+    clock, times = replay.replay(rounds, parse_network(cfg.network), throughput, weight_bytes, cfg.node_speeds)
     for point in curve:
         point["sim_time"] = times.get(point["step"], point["sim_time"])
     return {**summary, "sim_time_s": clock.now, "utilisation": clock.utilisation(),

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
+from run_dir.run_config import load_run_config
+from run_dir.run_state import in_use, read_status
 from training_logs.records import TrainerRow, read_records
 from utils.config import WHERE_KEYS, Config, load_config
 from utils.errors import Interrupted
-from utils.run_config import load_run_config
-from utils.run_state import in_use, read_status
 
 
 def resolved(config_path: str | Path, overrides: list[str]) -> dict:

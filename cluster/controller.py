@@ -1,11 +1,11 @@
-"""The simulated cluster: devices hosting nodes, and the outer loop that drives them.
+"""The outer loop over the simulated cluster: devices hosting nodes.
 
 The controller takes every decision; a backend executes what crosses nodes (distributed/protocol.py:
 `InProcessBackend` runs every node in this process, `TorchrunBackend` one node per torchrun process).
-Its parts live in controller/: build.py makes the cluster from the config, state.py holds its state
-(owners, holds, counters, traffic, the rollback snapshot), clock_feed.py feeds the simulated clock and
-round_driver.py runs an outer step and a merge, returning records. `ClusterController.train` is the loop;
-every logger call is in `_log_round` and `train`.
+build.py makes every part from the config (`build_cluster`, the one composition root); state.py holds the
+cluster's state (owners, holds, counters, traffic, the rollback snapshot), clock_feed.py feeds the simulated clock
+and round_driver.py runs an outer step and a merge, returning records. `ClusterController` takes the parts, loads a
+resume; `train` is the loop; every logger call is in `_log_round` and `train`.
 """
 
 from __future__ import annotations
@@ -20,38 +20,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from algorithms.calc_batch import build_batch_test
-from algorithms.clock import Clock, NodeSchedule
-from algorithms.network import describe, parse_network
-from algorithms.policies import build_merge_policy
-from algorithms.sketch import CountSketch, sketch_coefficients
-from algorithms.switch_mode import build_switch_mode
-from controller.build import (
-    build_backend,
-    build_comm_plan,
-    build_nodes,
-    master_device_of,
-    throughput_curve,
-    use_threads,
-)
-from controller.clock_feed import ClockFeed
-from controller.round_driver import Policies, RoundDriver, RoundRecord
-from controller.state import STALE, ClusterState, rng_state, set_rng_state
-from distributed.in_process import InProcessBackend
-from fabrics.dataset_loader import CorpusData, ShardSampler
-from fabrics.eval_tool import Evaluator
-from fabrics.models import reinit_output_layers, replicate
-from fabrics.precision import build_precision
-from trainers import TRAINERS, RoundAbandoned
+from cluster.build import ClusterParts, build_cluster
+from cluster.round_driver import RoundRecord
+from fabrics.dataset_loader import CorpusData
+from node import RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
 from utils.checkpoint import Checkpoint, FinalModel, prune_checkpoints, save_checkpoint
 from utils.config import Config
 from utils.errors import RunStopped, TrainingFault, UserError
-from utils.model_state import float_state
 from utils.signals import StopSignals
 
-__all__ = ["ClusterController", "InProcessBackend", "master_device_of", "use_threads", "rng_state", "set_rng_state",
-           "STALE"]
 log = logging.getLogger(__name__)
 
 
@@ -63,61 +41,17 @@ class ClusterController:
     stop: the SIGINT/SIGTERM request the loop turns into a checkpoint and a clean exit.
     """
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, data: CorpusData, logger: TrainingLogger,
+    def __init__(self, cfg: Config, parts: ClusterParts, data: CorpusData, logger: TrainingLogger,
                  weights_dir: Path, resume: Checkpoint | None = None, stop: StopSignals | None = None,
                  dist_env=None) -> None:
         self.cfg, self.data, self.logger, self.weights_dir = cfg, data, logger, weights_dir
         self.dist_env = dist_env  # torchrun: this process runs node dist_env.rank only
         self.writes = dist_env is None or dist_env.is_main  # only rank 0 writes checkpoints
         self.stop = stop or StopSignals()
-        algo = TRAINERS[cfg.distributed_algo]
-        make_optimizer = algo.inner_optimizer_factory(cfg)
-        policies = Policies(
-            build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
-                             max_batch=cfg.max_requested_batch, start=cfg.initial_batch_size,
-                             rampup_tokens=cfg.rampup_tokens or cfg.max_tokens),
-            build_switch_mode(cfg.switch_mode), build_merge_policy(cfg.merging_policy))
-        # micro_batches: each node's chunks form their own group, so drift between nodes is not noise
-        within_node = cfg.variance_estimator == "micro_batches"
-        precision = build_precision(cfg.precision)
-        # gradient samples: for the batch test, or only for the log (log_batch_statistics); else none at all
-        wanted = policies.batch_test.uses_statistics or cfg.log_batch_statistics
-        grad_chunks = 0 if not wanted else cfg.variance_micro_batches if within_node else 1
-        resume_state = resume.resume_state() if resume is not None else None
-        self.nodes = build_nodes(cfg, model, data, make_optimizer, precision, self.stop.event, resume_state, dist_env)
-        initial = float_state(model)
-        parameter_names = {n for n, _ in model.named_parameters()}
-        trainer_ids = resume.trainers if resume is not None else range(cfg.num_init_trainers)
-        local = None if dist_env is None else dist_env.rank
-        master_device = master_device_of(cfg, [n.device for n in self.nodes if n.model is not None])
-        self.trainers = {t: algo(t, initial, parameter_names, cfg,
-                                 ShardSampler(len(data.train), cfg.training_seed * 1000 + t), master_device)
-                         for t in trainer_ids}
-        if cfg.need_to_reinit_output_layers and resume is None:  # the authors' key; a resume has its trainers' own
-            reinit_output_layers(model, {t: tr.master for t, tr in self.trainers.items()}, cfg.training_seed)
-        eval_device = cfg.device_names[0] if local is None else self.nodes[local].device
-        self.evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device, precision)
-        self.sketch = self._sketch(model, grad_chunks, resume_state)
-        sample_numel = self.sketch.dim if self.sketch is not None else \
-            sum(p.numel() for p in model.parameters() if p.requires_grad)  # length of a gradient sample
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel, and
-        # Streaming DiLoCo's fragments synced at staggered inner steps, overlapped
-        self.plan = build_comm_plan(cfg, initial, sample_numel, grad_chunks, policies.batch_test.uses_statistics,
-                                    trainable if algo.syncs_gradients else 0)
+        self.nodes, self.trainers, self.evaluator = parts.nodes, parts.trainers, parts.evaluator
+        self.sketch, self.plan, self.state = parts.sketch, parts.plan, parts.state
+        self.backend, self.clock, self.driver = parts.backend, parts.clock, parts.driver
         self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
-        self.state = ClusterState(self.nodes, self.trainers, self.plan.streams,
-                                  cuda=any(d.startswith("cuda") for d in cfg.device_names))
-        self.backend = build_backend(cfg, self.nodes, model, master_device, self.plan, dist_env)
-        # the simulated clock (docs/clock.md): it observes the rounds, never changes their numbers
-        clock = Clock(parse_network(cfg.network), throughput_curve(cfg, self.nodes, model, make_optimizer, precision,
-                                                                   resume_state, dist_env),
-                      cfg.node_speeds, self.sizes.param_bytes)
-        log.info("clock: network %s; throughput %s; node speeds %s", describe(clock.network), clock.curve.source,
-                 " ".join(f"{v:g}" for v in cfg.node_speeds))
-        self.clock = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(self.nodes)), self.plan, cfg,
-                               self.evaluator.higher_is_better)
-        self.driver = RoundDriver(cfg, self.state, self.backend, self.clock, self.evaluator, policies, self.plan)
         self.driver.round_window = self._memory_window
         self._start = time.time()  # reset when training starts
         if resume is not None:
@@ -126,23 +60,16 @@ class ClusterController:
                     trainer.load_state_dict(resume.trainer_state(t), resume.trainer_weights(t))
                 except (ValueError, KeyError, RuntimeError) as exc:
                     raise UserError(f"--resume: {resume.path} does not fit this model ({exc})") from None
-            self.load_state_dict(resume_state)
+            self.load_state_dict(parts.resume_state)
             self.state.checkpointed_step = resume.outer_step
 
-    def _sketch(self, model: torch.nn.Module, grad_chunks: int, resume_state: dict | None) -> CountSketch | None:
-        """statistics_comm sketch: the count sketch every node projects its gradient samples with."""
-        sketch = None
-        if self.cfg.statistics_comm == "sketch" and grad_chunks:
-            saved = (resume_state or {}).get("sketch")  # the run's own sketch, whatever derives it today
-            sketch = CountSketch(self.cfg.statistics_sketch_dim, saved["coefficients"] if saved
-                                 else sketch_coefficients(self.cfg.training_seed * 1_000_003 + 991))
-        for node in self.nodes:
-            node.sketch = sketch
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if sketch is not None and sketch.dim >= trainable:
-            log.warning("statistics_sketch_dim %d is not smaller than the %d trainable parameters: the sketch sends "
-                        "more than statistics_comm fp64 would, and only estimates", sketch.dim, trainable)
-        return sketch
+    @classmethod
+    def build(cls, cfg: Config, model: torch.nn.Module, data: CorpusData, logger: TrainingLogger, weights_dir: Path,
+              resume: Checkpoint | None = None, stop: StopSignals | None = None, dist_env=None) -> ClusterController:
+        """The cluster built from the config (cluster/build.py: build_cluster), then resumed if asked."""
+        stop = stop or StopSignals()
+        parts = build_cluster(cfg, model, data, stop.event, resume, dist_env)
+        return cls(cfg, parts, data, logger, weights_dir, resume, stop, dist_env)
 
     @contextlib.contextmanager
     def _memory_window(self, outer_step: int):
@@ -218,7 +145,7 @@ class ClusterController:
     # The loop
 
     def run_outer_step(self, outer_step: int) -> list[dict]:
-        """One outer step (controller/round_driver.py), its records logged; returns the trainers' rows."""
+        """One outer step (cluster/round_driver.py), its records logged; returns the trainers' rows."""
         try:
             record = self.driver.run(outer_step)
         finally:
@@ -241,7 +168,7 @@ class ClusterController:
             self.logger.log_inner_evals(record.inner_evals)
 
     def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
-        """Merge by the policy (controller/round_driver.py); metrics: each trainer's metric before the merge."""
+        """Merge by the policy (cluster/round_driver.py); metrics: each trainer's metric before the merge."""
         return self.driver.merge(outer_step, metrics)
 
     def train(self) -> dict:
@@ -286,7 +213,7 @@ class ClusterController:
                 if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 \
                         and outer_step < cfg.num_outer_steps:
                     self.save()
-                if outer_step % cfg.plot_every == 0:
+                if cfg.plot_every and outer_step % cfg.plot_every == 0:
                     self.logger.plot(outer_step)
                 if cfg.max_tokens and state.tokens_total >= cfg.max_tokens:
                     log.info("token budget reached: %d >= max_tokens %d", state.tokens_total, cfg.max_tokens)
@@ -320,7 +247,8 @@ class ClusterController:
         final, state = self.trainers[final_id], self.state
         sent = self.backend.total_sent()  # torchrun: what the collectives sent, all ranks together
         self.save("final", final_id)
-        self.logger.plot(state.last_outer_step)
+        if self.cfg.plot_every:
+            self.logger.plot(state.last_outer_step)
         summary = {
             "metric": self.evaluator.metric, "initial_metric": initial_metric, "final_trainer": final_id,
             "final_metric": scores[final_id], "surviving_trainers": scores,
@@ -336,9 +264,9 @@ class ClusterController:
             "largest_capped_request": self.logger.largest_capped_request,
             **self.clock.summary(),  # the simulated clock (docs/clock.md)
         }
-        if self.sizes.gradient_bytes:  # DDP / SNOO: each inner step's all-reduce per node (benchmarks/network.py)
+        if self.sizes.gradient_bytes:  # DDP / SNOO: each inner step's all-reduce per node (benchmarks/replay.py)
             summary["gradient_bytes"] = self.sizes.gradient_bytes
-        if self.streaming is not None:  # each node's payload per fragment (benchmarks/network.py prices them)
+        if self.streaming is not None:  # each node's payload per fragment (benchmarks/replay.py prices them)
             summary["fragment_bytes"] = list(self.sizes.fragment_bytes)
         if not self.driver.outer_sync.exact:  # how the encoded payloads travelled (runs before the ring: gathered)
             summary["compressed_sync"] = "ring" if self.driver.outer_sync.ring else "all_gather"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
-from algorithms.clock import Clock, NodeSchedule, NodeWork, SyncCost, TrainerWork
+from algorithms.clock import Clock, NodeSchedule, NodeWork, TrainerWork
 from algorithms.comm_plan import CommPlan
 from algorithms.network import describe
-from distributed.protocol import RoundResult
-from trainers import NodeJob
+from algorithms.traffic import SyncCost
+from node import NodeJob
 from utils.config import Config
 
 
@@ -17,7 +17,7 @@ class ClockFeed:
     def __init__(self, clock: Clock, schedule: NodeSchedule, plan: CommPlan, cfg: Config,
                  higher_is_better: bool) -> None:
         self.clock, self.schedule, self.plan = clock, schedule, plan
-        self.node_speeds, self.num_inner_steps, self.sync_delay = cfg.node_speeds, cfg.num_inner_steps, cfg.sync_delay
+        self.node_speeds, self.num_inner_steps = cfg.node_speeds, cfg.num_inner_steps
         self.by_speed = cfg.inner_steps_by_speed  # each node's inner steps in proportion to its throughput
         self.target_metric, self.higher_is_better = cfg.target_metric, higher_is_better
         self.round_work: dict[int, list[NodeWork]] = {}  # this round's work per trainer
@@ -38,23 +38,14 @@ class ClockFeed:
         """A node's work this round (tokens, shape, a state it received first)."""
         self.round_work.setdefault(trainer_id, []).append(work)
 
-    def _sync_cost(self, result: RoundResult | None) -> SyncCost:
-        """What a trainer's collectives carried this round."""
-        plan, sizes = self.plan, self.plan.sizes
-        # statistics sent for the log only (the batch test does not read them) are not priced
-        return SyncCost(0 if plan.outer_sync.exact else sizes.sync_bytes,
-                        sizes.fragment_bytes if plan.streams else (), self.sync_delay, self.num_inner_steps,
-                        sizes.statistics_bytes if plan.statistics_decide and result is not None
-                        and result.statistics is not None else 0,
-                        plan.outer_sync.ring, sizes.gradient_bytes)
-
-    def round(self, outer_step: int, jobs: list[NodeJob], results: dict[int, RoundResult]
+    def round(self, outer_step: int, jobs: list[NodeJob], costs: dict[int, SyncCost]
               ) -> tuple[dict[int, dict], list[dict]]:
-        """The round on the clock: each trainer's (end, slowest compute, idle node-seconds), and the node rows."""
+        """The round on the clock: each trainer's (end, slowest compute, idle node-seconds), and the node rows.
+        costs: what each trainer's collectives sent (CommPlan.sync_cost), as the traffic counters count them."""
         trainer_ids = sorted({j.trainer_id for j in jobs})
         inner_steps = {j.node_id: j.sample_indices.shape[0] for j in jobs}
         slowdown = self.schedule.slowdown(outer_step)
-        times = self.clock.round([TrainerWork(t, self.round_work[t], self._sync_cost(results.get(t)))
+        times = self.clock.round([TrainerWork(t, self.round_work[t], costs[t])
                                   for t in trainer_ids], slowdown)
         work = {w.node_id: w for t in trainer_ids for w in self.round_work[t]}
         node_rows = [

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.clock import NodeWork
 from algorithms.comm_plan import CommPlan
-from algorithms.streaming import FLAG_BYTES
-from controller.clock_feed import ClockFeed
-from controller.state import STALE, ClusterState
+from cluster.clock_feed import ClockFeed
+from cluster.state import STALE, ClusterState
 from distributed.protocol import Backend, NodeFault, RoundResult
 from fabrics.eval_tool import EvalResult, Evaluator
-from trainers import NodeJob, RoundAbandoned, Trainer
+from node import NodeJob, RoundAbandoned
+from trainers import Trainer
 from utils.config import Config
 from utils.errors import TrainingFault
 
@@ -174,7 +174,10 @@ class RoundDriver:
         self.state.traffic.rounds += 1
         self.state.tokens_total += sum(res.tokens for res in results.values())
         self._outer_steps(outer_step, results)
-        clock, record.node_times = self.clock.round(outer_step, jobs, results)
+        # what each trainer's collectives sent and cost, once: the clock and the traffic counters read the same
+        costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None)
+                 for t in sorted({j.trainer_id for j in jobs})}
+        clock, record.node_times = self.clock.round(outer_step, jobs, costs)
         if self.streaming:  # the good nodes' own weights go on next round, if their trainer stays the same
             for f in faults:
                 self.state.continues[f.node_id] = None
@@ -188,6 +191,7 @@ class RoundDriver:
                 node_ids = [j.node_id for j in jobs if j.trainer_id == t]
                 record.rows.append(self._failed_row(outer_step, t, plan[node_ids[0]], evaluations[t], clock[t]))
             else:
+                self.state.traffic.add(costs[t], len(results[t].nodes), self.sizes.param_bytes)
                 record.rows.append(self._row(outer_step, t, results[t], plan, evaluations[t], clock[t]))
         return record
 
@@ -220,17 +224,9 @@ class RoundDriver:
 
     def _row(self, outer_step: int, t: int, res: RoundResult, plan: dict, evaluation: EvalResult,
              clock: dict) -> dict:
-        """The traffic of a trainer's sync, the batch test's decision and the trainer's row."""
-        trainer, state, sizes = self.trainers[t], self.state, self.sizes
+        """The batch test's decision and the trainer's row."""
+        trainer, state = self.trainers[t], self.state
         requested_before = trainer.requested_batch
-        for payload in ([sizes.gradient_bytes] * self.cfg.num_inner_steps if trainer.syncs_gradients
-                        else sizes.fragment_bytes if self.streaming else [sizes.sync_bytes]):
-            state.traffic.trainer_sync(len(res.nodes), payload,
-                                       gathered=not (self.outer_sync.exact or self.outer_sync.ring),
-                                       shard_flag_bytes=FLAG_BYTES if self.streaming and self.outer_sync.ring else 0)
-        if res.statistics is not None:
-            state.traffic.statistics(len(res.nodes), sizes.statistics_bytes,
-                                     for_the_log=not self.policies.batch_test.uses_statistics)
         state.seen(evaluation.value, self.evaluator.higher_is_better)
         self.clock.reached(evaluation.value, clock["sim_time_s"])
         decision = self.policies.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),

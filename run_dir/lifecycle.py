@@ -48,8 +48,8 @@ class RunSession:
 
     def _claim(self):
         """The run directory, locked for the life of this process (under torchrun: rank 0's, shared)."""
-        from utils.run_state import RunLock
-        from utils.utils import make_run_dir
+        from run_dir.claim import make_run_dir
+        from run_dir.run_state import RunLock
 
         if self._resume_dir is not None:
             def claim():
@@ -76,9 +76,9 @@ class RunSession:
 
     def _start(self) -> None:
         """The log file, config.yaml, status.json "running", and the run's first lines."""
+        from run_dir.run_state import write_status
         from training_logs.csv_files import cut_jsonl
         from utils.checkpoint import write_atomic
-        from utils.run_state import write_status
         from utils.utils import setup_logging
 
         cfg, run_dir, checkpoint = self.cfg, self.run_dir, self.checkpoint
@@ -129,8 +129,8 @@ class RunSession:
 
     def complete(self, summary: dict) -> None:
         """summary.json, status.json "completed" and the run's last lines."""
+        from run_dir.run_state import write_status
         from utils.checkpoint import write_atomic
-        from utils.run_state import write_status
 
         cfg, run_dir = self.cfg, self.run_dir
         if self.stop.requested:
@@ -285,8 +285,8 @@ def ending_of(exc: BaseException, resuming: str | None = None) -> tuple[str, int
 def record_ending(run_dir: Path, exc: BaseException, resumed: bool) -> None:
     """status.json for a run that did not complete: what ended it, where it can resume from (resumed: this
     process resumed it from a checkpoint; a new run stopped during set-up has nothing to resume)."""
+    from run_dir.run_state import write_status
     from utils.checkpoint import MANIFEST
-    from utils.run_state import write_status
     from utils.signals import signal_name
 
     state, code, line = ending_of(exc, resuming=str(run_dir) if resumed else None)

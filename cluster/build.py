@@ -1,33 +1,128 @@
-"""Building the cluster from the config: nodes (and the memory probe), the communication plan (the streaming plan,
-what each sync weighs on the wire), the backend and the clock's throughput curve. Each builder is handed what it
-needs."""
+"""The composition root: `build_cluster` makes every part of the cluster from the config, in one place: the nodes
+(and the memory probe), the trainers, the evaluator, the communication plan (the streaming plan, what each sync weighs
+on the wire), the state, the backend, the clock and the round driver. Each builder below is handed what it needs;
+`ClusterController` (controller.py) takes the parts, loads a resume and runs the loop."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 
 import torch
 
-from algorithms.calc_batch import STATISTICS_WIRE
-from algorithms.clock import ThroughputCurve
+from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test
+from algorithms.clock import Clock, NodeSchedule, ThroughputCurve
 from algorithms.comm_plan import CommPlan, WireSizes
+from algorithms.network import describe, parse_network
 from algorithms.outer_sync import OuterSync
+from algorithms.policies import build_merge_policy
+from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.streaming import StreamingPlan
+from algorithms.switch_mode import build_switch_mode
+from cluster.clock_feed import ClockFeed
+from cluster.max_batch_calculator import NodeShare, find_max_batch_size
+from cluster.round_driver import Policies, RoundDriver
+from cluster.state import ClusterState
+from cluster.throughput import cached_curve, device_kind, measure_curve
 from distributed.in_process import InProcessBackend
 from distributed.protocol import Backend
-from fabrics.dataset_loader import CorpusData
+from fabrics.dataset_loader import CorpusData, ShardSampler
 from fabrics.eval_tool import Evaluator
-from fabrics.models import replicate
-from trainers import Node
+from fabrics.models import reinit_output_layers, replicate
+from fabrics.precision import build_precision
+from node import Node
+from trainers import TRAINERS, Trainer
+from utils.checkpoint import Checkpoint
 from utils.config import Config
 from utils.errors import ConfigError, UserError
-from utils.max_batch_calculator import NodeShare, find_max_batch_size
 from utils.model_state import float_state
-from utils.throughput import cached_curve, device_kind, measure_curve
 
 log = logging.getLogger("cluster")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterParts:
+    """What `build_cluster` makes; `ClusterController` runs the loop over it."""
+
+    nodes: list[Node]
+    trainers: dict[int, Trainer]
+    evaluator: Evaluator
+    sketch: CountSketch | None  # statistics_comm sketch: the one count sketch every node projects with
+    plan: CommPlan
+    state: ClusterState
+    backend: Backend
+    clock: ClockFeed
+    driver: RoundDriver
+    resume_state: dict | None  # the checkpoint's state besides the trainers, read once
+
+
+def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_event: threading.Event,
+                  resume: Checkpoint | None = None, dist_env=None) -> ClusterParts:
+    """Every part of the cluster, from the config (and a resume's checkpoint: node max batches, trainer ids, the
+    sketch and the clock's curve come from it, so the memory probe does not run again)."""
+    algo = TRAINERS[cfg.distributed_algo]
+    make_optimizer = algo.inner_optimizer_factory(cfg)
+    policies = Policies(
+        build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
+                         max_batch=cfg.max_requested_batch, start=cfg.initial_batch_size,
+                         rampup_tokens=cfg.rampup_tokens or cfg.max_tokens),
+        build_switch_mode(cfg.switch_mode), build_merge_policy(cfg.merging_policy))
+    # micro_batches: each node's chunks form their own group, so drift between nodes is not noise
+    within_node = cfg.variance_estimator == "micro_batches"
+    precision = build_precision(cfg.precision)
+    # gradient samples: for the batch test, or only for the log (log_batch_statistics); else none at all
+    wanted = policies.batch_test.uses_statistics or cfg.log_batch_statistics
+    grad_chunks = 0 if not wanted else cfg.variance_micro_batches if within_node else 1
+    resume_state = resume.resume_state() if resume is not None else None
+    nodes = build_nodes(cfg, model, data, make_optimizer, precision, stop_event, resume_state, dist_env)
+    initial = float_state(model)
+    parameter_names = {n for n, _ in model.named_parameters()}
+    trainer_ids = resume.trainers if resume is not None else range(cfg.num_init_trainers)
+    local = None if dist_env is None else dist_env.rank
+    master_device = master_device_of(cfg, [n.device for n in nodes if n.model is not None])
+    trainers = {t: algo(t, initial, parameter_names, cfg,
+                        ShardSampler(len(data.train), cfg.training_seed * 1000 + t), master_device)
+                for t in trainer_ids}
+    if cfg.need_to_reinit_output_layers and resume is None:  # the authors' key; a resume has its trainers' own
+        reinit_output_layers(model, {t: tr.master for t, tr in trainers.items()}, cfg.training_seed)
+    eval_device = cfg.device_names[0] if local is None else nodes[local].device
+    evaluator = Evaluator(replicate(model, eval_device), data.val, cfg.eval_batch_size, eval_device, precision)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sketch = build_sketch(cfg, nodes, grad_chunks, trainable, resume_state)
+    sample_numel = sketch.dim if sketch is not None else trainable  # length of a gradient sample
+    # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel, and
+    # Streaming DiLoCo's fragments synced at staggered inner steps, overlapped
+    plan = build_comm_plan(cfg, initial, sample_numel, grad_chunks, policies.batch_test.uses_statistics,
+                           trainable if algo.syncs_gradients else 0)
+    state = ClusterState(nodes, trainers, plan.streams, cuda=any(d.startswith("cuda") for d in cfg.device_names))
+    backend = build_backend(cfg, nodes, model, master_device, plan, dist_env)
+    # the simulated clock (docs/clock.md): it observes the rounds, never changes their numbers
+    clock = Clock(parse_network(cfg.network), throughput_curve(cfg, nodes, model, make_optimizer, precision,
+                                                               resume_state, dist_env),
+                  cfg.node_speeds, plan.sizes.param_bytes)
+    log.info("clock: network %s; throughput %s; node speeds %s", describe(clock.network), clock.curve.source,
+             " ".join(f"{v:g}" for v in cfg.node_speeds))
+    feed = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), plan, cfg, evaluator.higher_is_better)
+    driver = RoundDriver(cfg, state, backend, feed, evaluator, policies, plan)
+    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state)
+
+
+def build_sketch(cfg: Config, nodes: list[Node], grad_chunks: int, trainable: int,
+                 resume_state: dict | None) -> CountSketch | None:
+    """statistics_comm sketch: the count sketch every node projects its gradient samples with."""
+    sketch = None
+    if cfg.statistics_comm == "sketch" and grad_chunks:
+        saved = (resume_state or {}).get("sketch")  # the run's own sketch, whatever derives it today
+        sketch = CountSketch(cfg.statistics_sketch_dim, saved["coefficients"] if saved
+                             else sketch_coefficients(cfg.training_seed * 1_000_003 + 991))
+    for node in nodes:
+        node.sketch = sketch
+    if sketch is not None and sketch.dim >= trainable:
+        log.warning("statistics_sketch_dim %d is not smaller than the %d trainable parameters: the sketch sends "
+                    "more than statistics_comm fp64 would, and only estimates", sketch.dim, trainable)
+    return sketch
 
 
 def use_threads(cfg: Config) -> bool:
@@ -59,7 +154,7 @@ def nodes_on_card(cfg: Config, device: str) -> int:
 
 
 def _probe(cfg: Config, model: torch.nn.Module, make_optimizer, device: str, key: int, spec, data: CorpusData) -> int:
-    """The largest micro-batch a node of device `key` fits (utils/max_batch_calculator.py)."""
+    """The largest micro-batch a node of device `key` fits (cluster/max_batch_calculator.py)."""
     try:
         share = NodeShare(
             cfg.padding_percentage, cfg.nodes_per_gpu,
@@ -153,7 +248,8 @@ def build_comm_plan(cfg: Config, initial: dict[str, torch.Tensor], sample_numel:
                     OuterSync(cfg.merge_compression), STATISTICS_WIRE[cfg.statistics_comm],
                     build_streaming(cfg, initial), within_node=cfg.variance_estimator == "micro_batches",
                     by_tokens=cfg.inner_steps_by_speed, sample_numel=sample_numel, grad_chunks=grad_chunks,
-                    statistics_decide=statistics_decide)
+                    statistics_decide=statistics_decide, inner_steps=cfg.num_inner_steps,
+                    overlap_steps=cfg.sync_delay)
     return dataclasses.replace(plan, sizes=WireSizes.of(initial, plan, gradient_numel))
 
 

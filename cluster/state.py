@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from algorithms.traffic import Traffic
-from trainers import Node, Trainer
+from node import Node
+from trainers import Trainer
 from utils.model_state import float_state, load_float_state
 
 STALE = (-1, -1)  # holds: a node away from the cluster keeps no current state (it receives one when it returns)

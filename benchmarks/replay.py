@@ -1,4 +1,4 @@
-"""A network cost model: how long a run we measured would take on a cluster with a given network.
+"""The replay: how long a run we measured would take on a cluster with a given network (a network cost model).
 
 No network is emulated. A run's logs say, round by round, how many tokens each trainer's nodes processed,
 which nodes each trainer had (and their micro-batch and accumulation), which merges happened and how many
@@ -35,20 +35,10 @@ from pathlib import Path
 import yaml
 
 from algorithms.calc_batch import BATCH_TESTS, STATISTICS_WIRE, statistics_payload_bytes
-from algorithms.clock import Clock, NodeWork, SyncCost, ThroughputCurve, TrainerWork
-from algorithms.network import (  # noqa: F401  (the network model's names, for the harnesses)
-    INSTANT,
-    PRESETS,
-    Network,
-    describe,
-    format_rate,
-    parse_bandwidth,
-    parse_latency,
-    parse_network,
-)
+from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
+from algorithms.network import INSTANT, Network
 from algorithms.outer_sync import OuterSync
-from algorithms.streaming import FLAG_BYTES
-from algorithms.traffic import ring_allreduce_bytes
+from algorithms.traffic import SyncCost, ring_allreduce_bytes
 from training_logs.records import MergeEvent, TrainerRow, read_records, value_of
 
 
@@ -56,35 +46,12 @@ from training_logs.records import MergeEvent, TrainerRow, read_records, value_of
 class TrainerRound:
     num_nodes: int
     tokens: float  # tokens all the trainer's nodes processed in the round
-    statistics_bytes: int = 0  # the batch test's statistics per node, both reductions (0: none travel)
-    sync_bytes: int = 0  # outer_compression: each node's encoded payload (0: fp32 all-reduce of P)
-    # Streaming DiLoCo: each fragment's payload per node (one collective each; empty: one sync of the whole
-    # model), the inner steps a collective overlaps (sync_delay) and the round's inner steps
-    fragment_bytes: tuple[int, ...] = ()
-    overlap_steps: int = 0
-    inner_steps: int = 1
+    sync: SyncCost = field(default_factory=SyncCost)  # what its collectives sent (algorithms/traffic.py)
     trainer_id: int = 0
     nodes: tuple[int, ...] = ()  # node ids (empty: numbered after the round's other trainers' nodes)
     micro_batch: int = 1
     accumulation: int = 1
     receivers: tuple[int, ...] = ()  # nodes that received the trainer's state before the round (node moves)
-    ring: bool = False  # the encoded payloads travel as a ring of quantized shards (else all-gathered)
-    step_bytes: int = 0  # DDP / SNOO: each inner step's gradient all-reduce per node; nothing at the round's end
-
-    @property
-    def cost(self) -> SyncCost:
-        return SyncCost(self.sync_bytes, self.fragment_bytes, self.overlap_steps, self.inner_steps,
-                        self.statistics_bytes, self.ring, self.step_bytes)
-
-    def sent_bytes(self, weight_bytes: int) -> int:
-        """All nodes' outer-sync bytes in the round, on algorithms/traffic.py's definitions."""
-        n = self.num_nodes
-        if self.step_bytes:
-            return self.inner_steps * ring_allreduce_bytes(n, self.step_bytes)
-        payloads = self.fragment_bytes or (self.sync_bytes or weight_bytes,)
-        flags = FLAG_BYTES * (n - 1) if self.fragment_bytes and self.sync_bytes and self.ring else 0
-        return sum(n * (n - 1) * b if self.sync_bytes and not self.ring else ring_allreduce_bytes(n, b + flags)
-                   for b in payloads)
 
 
 @dataclass
@@ -128,7 +95,7 @@ def replay(rounds: list[RoundWork], net: Network, throughput: float | Throughput
         if move and not receivers:  # moves without their nodes (hand-made rounds): the first node receives
             receivers = set(next((nodes for nodes in nodes_of if nodes), ())[:1])
         clock.round([TrainerWork(t.trainer_id, [NodeWork(n, t.tokens / t.num_nodes, t.micro_batch, t.accumulation,
-                                                         move if n in receivers else 0) for n in nodes], t.cost)
+                                                         move if n in receivers else 0) for n in nodes], t.sync)
                      for t, nodes in zip(work.trainers, nodes_of) if t.num_nodes])
         for m in work.merges:
             clock.merge(m.survivor, list(m.members or (m.survivor,)), [m.nbytes])
@@ -185,10 +152,10 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
     weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     stats = _statistics_bytes(run_config, weight_bytes, statistics)
     sync_bytes = _sync_bytes(run_config, weight_bytes)
-    ring = summary.get("compressed_sync") == "ring"  # runs made before the ring all-gathered their payloads
-    streaming = {"fragment_bytes": tuple(summary.get("fragment_bytes") or ()),
-                 "overlap_steps": int(run_config.get("sync_delay", 0)),
-                 "inner_steps": int(run_config.get("num_inner_steps", 1))}
+    # every round of the run sent alike (CommPlan.sync_cost); runs made before the ring all-gathered their payloads
+    sync = SyncCost(sync_bytes, tuple(summary.get("fragment_bytes") or ()), int(run_config.get("sync_delay", 0)),
+                    int(run_config.get("num_inner_steps", 1)), stats, summary.get("compressed_sync") == "ring",
+                    int(summary.get("gradient_bytes") or 0))
     tokens_before = {r.trainer_id: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0
     held: dict[int, tuple[int, int]] = {}  # node -> (trainer, weights version) it holds, as the cluster tracks it
@@ -207,11 +174,9 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
             mine = (t, version.get(t, 0))
             receivers = tuple(n for n in nodes if held.get(n, mine) != mine)  # a node move (RoundDriver.jobs)
             held.update({n: mine for n in nodes})
-            work.trainers.append(TrainerRound(r.num_nodes, seen - tokens_before.get(t, 0.0),
-                                              stats, sync_bytes, **streaming, trainer_id=t, nodes=nodes,
-                                              micro_batch=r.loader_batch or 1,
-                                              accumulation=r.accumulation_steps or 1, receivers=receivers,
-                                              ring=ring, step_bytes=int(summary.get("gradient_bytes") or 0)))
+            work.trainers.append(TrainerRound(r.num_nodes, seen - tokens_before.get(t, 0.0), sync, trainer_id=t,
+                                              nodes=nodes, micro_batch=r.loader_batch or 1,
+                                              accumulation=r.accumulation_steps or 1, receivers=receivers))
             tokens_before[t] = seen
         for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
             for merged in map(int, m.merged.split()):
@@ -241,7 +206,7 @@ def accounted_bytes(rounds: list[RoundWork], weight_bytes: int) -> int:
     """The weights traffic the model charges, on algorithms/traffic.py's definitions (a check against the run)."""
     total = 0
     for work in rounds:
-        total += sum(t.sent_bytes(weight_bytes) for t in work.trainers)
+        total += sum(t.sync.sent_bytes(t.num_nodes, weight_bytes) for t in work.trainers)
         total += sum(m.nbytes for m in work.merges) + work.node_move_bytes
     return total
 

@@ -1,0 +1,253 @@
+"""A node: one simulated worker. Its model replica on its device and its own inner optimizer, both built once.
+
+Each round it copies its trainer's weights in (Streaming DiLoCo: only when it does not go on from its own) and takes
+`num_inner_steps` optimizer steps (each over loader_batch x accumulation_steps sequences), pausing where a streamed
+fragment is sent or lands, or (DDP / SNOO) where its trainer's nodes average their gradients. The trainers
+(trainers.py) own the weights between rounds and the outer step; the backends (distributed/) run nodes' rounds.
+
+Inner optimizer state: a node keeps its AdamW moments across rounds while it serves the same trainer. When it moves
+to another trainer (re-assignment or merge) its state is reset, because the moments describe another model's
+trajectory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from fabrics.dataset_loader import PackedData
+from fabrics.precision import PRECISIONS, Precision
+from utils.model_state import float_state, load_float_state
+
+
+@dataclass
+class NodeJob:
+    """Everything a node needs for one round (built in the main thread, so no RNG is shared)."""
+
+    node_id: int
+    trainer_id: int
+    master: dict[str, torch.Tensor]  # the trainer's weights to start from (read only)
+    sample_indices: torch.Tensor  # [num_inner_steps, accumulation_steps, loader_batch]
+    grad_chunks: int  # 0: no gradient samples; 1: the last step's gradient; k >= 2: k micro-batch gradients
+    reset_optimizer: bool
+    inject_fault: str = ""  # testing aid (config inject_fault): "nan", "error", "hang" or "crash"
+    # Streaming DiLoCo: the node goes on from its own weights (it served this trainer version last round)
+    # instead of loading `master`
+    keep_local: bool = False
+    # a compressed outer sync: `master` flattened once for the trainer's nodes (OuterSync.encode)
+    flat_master: torch.Tensor | None = None
+    eval_every: int = 0  # eval_every_inner_steps: evaluate this node's own weights every this many inner steps
+    # DDP / SNOO: the node pauses after each inner step's backward (yielding GRADIENTS) so its trainer's nodes
+    # average their gradients before they step (distributed/synchronous.py)
+    sync_gradients: bool = False
+
+
+GRADIENTS = "gradients"  # what Node.steps yields where a synchronous trainer's gradients are averaged
+
+
+class RoundAbandoned(Exception):
+    """A stop was requested (SIGINT/SIGTERM): the node left its round between two inner steps."""
+
+
+class InjectedFault(RuntimeError):
+    """The fault that config inject_fault asked for."""
+
+
+class InjectedCrash(RuntimeError):
+    """inject_fault's crash: an error outside the node-fault policy, as a bug in the process's own code would be
+    (under torchrun: one rank's own error, which ends the run)."""
+
+
+@dataclass
+class NodeResult:
+    node_id: int
+    trainer_id: int
+    state: dict[str, torch.Tensor]  # the node's final weights (references into its replica)
+    step_losses: list[float]  # mean loss of each optimizer step
+    tokens: int
+    grad_samples: torch.Tensor | None = None  # [k, P] fp32 (or [k, sketch dim] fp64), on the node's device
+    sample_batches: torch.Tensor | None = None  # [k] sequences behind each gradient sample
+    learning_rate: float = 0.0
+    payload: torch.Tensor | None = None  # compressed outer sync: the encoded pseudo-gradient (uint8)
+    mid_round: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (inner step, metrics)
+
+
+class Node:
+    def __init__(self, node_id: int, device: str, model: torch.nn.Module, make_optimizer, grad_clip: float,
+                 data: PackedData, precision: Precision = PRECISIONS["fp32"], compile_model: bool = False) -> None:
+        self.node_id, self.device, self.model = node_id, device, model  # model None: the node runs elsewhere
+        self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
+        self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self.precision = precision
+        # compiled once, here: the wrapper shares the replica's parameters, so weights still load into `model`
+        self.forward = torch.compile(model) if compile_model and model is not None else model
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # fp16: this node's dynamic loss scale
+        self.evaluator = None  # eval_every_inner_steps: an Evaluator over this node's own replica
+        self.max_batch = 0
+        self.show_progress = False  # an inner-step progress bar (config inner_progress)
+        self.stop = threading.Event()  # set by a stop request: leave the round at the next inner step
+        self.sketch = None  # statistics_comm sketch: the count sketch its gradient samples go through
+        # compressed outer sync with error feedback: what compression dropped from this node's last
+        # pseudo-gradients (fp32, flat). It stays with the node when it serves another trainer (a merge
+        # made that trainer from this one's state) and is checkpointed with the node.
+        self.residual: torch.Tensor | None = None
+        self.round_losses: list[torch.Tensor] = []  # the losses of the round so far, at a pause
+
+    def optimizer_state(self) -> dict | None:
+        """A copy of the inner optimizer's state (and fp16 loss scale) on the CPU; None before the first round."""
+        if self.optimizer is None:
+            return None
+        state = self.optimizer.state_dict()
+        return {"state": {i: {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v)
+                              for k, v in s.items()} for i, s in state["state"].items()},
+                "param_groups": state["param_groups"],
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_optimizer_state(self, state: dict | None) -> None:
+        if state is None or self.model is None:
+            self.optimizer, self.scaler = None, None
+            return
+        self._new_optimizer()
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "scaler"})
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _new_optimizer(self) -> None:
+        self.optimizer = self.make_optimizer(self.params)
+        self.scaler = self.precision.scaler(self.device)
+
+    def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
+        ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
+        mask = self.data.attention_mask[idx].to(self.device, non_blocking=True)
+        if self.data.labels is not None:  # classification: one label per sequence
+            labels = self.data.labels[idx].to(self.device, non_blocking=True)
+        else:  # language modelling: the model shifts labels by one itself; padding is excluded from the loss
+            labels = ids.masked_fill(mask == 0, -100)
+        with self.precision.autocast(self.device):
+            loss = self.forward(input_ids=ids, attention_mask=mask, labels=labels).loss
+        scaled = loss * scale
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach().float()
+
+    def _flat_grad(self) -> torch.Tensor:
+        """The accumulated gradient as one fp32 vector, without the fp16 loss scale."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        return flat.float() / self.scaler.get_scale() if self.scaler is not None else flat.float()
+
+    def gradients(self) -> torch.Tensor:
+        """The accumulated gradient as one fp32 vector, as it is (with the fp16 loss scale, which every node of a
+        synchronous trainer shares)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in self.params])
+
+    @torch.no_grad()
+    def load_gradients(self, flat: torch.Tensor) -> None:
+        """Replace the accumulated gradient by `flat` (gradients' layout), e.g. the trainer's mean."""
+        start = 0
+        for p in self.params:
+            value = flat[start:start + p.numel()].view(p.shape).to(p.device, p.dtype)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            start += p.numel()
+
+    def _last_step_with_samples(self, idx: torch.Tensor,
+                                chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last step's batch in `chunks` pieces, recording each piece's gradient at the same point.
+
+        Each piece's loss is weighted by its share of the batch, so the accumulated gradient is the
+        same as in a normal step; piece i's own gradient is (acc_i - acc_{i-1}) / share_i. Pieces can
+        differ in size by one sequence; each sample carries its own size.
+        """
+        flat = idx.reshape(-1)
+        pieces = torch.tensor_split(flat, min(max(chunks, idx.shape[0]), len(flat)))
+        samples, losses = [], []
+        previous = torch.zeros(sum(p.numel() for p in self.params), device=self.device)
+        for piece in pieces:
+            share = len(piece) / len(flat)
+            losses.append(self._forward_backward(piece, share) * share)
+            current = self._flat_grad()
+            samples.append((current - previous) / share)
+            previous = current
+        sizes = torch.tensor([len(piece) for piece in pieces], dtype=torch.float64)
+        return torch.stack(losses).sum(), torch.stack(samples), sizes
+
+    def run(self, job: NodeJob) -> NodeResult:
+        """The whole round: `num_inner_steps` inner steps from the trainer's weights."""
+        round_steps = self.steps(job)
+        while True:
+            try:
+                next(round_steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, job: NodeJob, pauses: list[int] = ()) -> Generator[int, None, NodeResult]:
+        """The round as a generator: it pauses after each inner-step count in `pauses` (yielding it), so a
+        Streaming DiLoCo round can send and land fragments between inner steps, and returns the result."""
+        pauses = set(pauses)
+        if job.inject_fault == "error":
+            raise InjectedFault(f"inject_fault: error on node {self.node_id}")
+        if job.inject_fault == "crash":
+            raise InjectedCrash(f"inject_fault: crash on node {self.node_id}")
+        while job.inject_fault == "hang":  # a stuck node: only a stop (or torchrun's kill) ends it
+            if self.stop.wait(0.1):
+                raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")
+        if job.reset_optimizer or self.optimizer is None:
+            self._new_optimizer()
+        if not job.keep_local:
+            load_float_state(self.model, job.master)
+        self.model.train()
+        steps, accumulation, _ = job.sample_indices.shape
+        losses, grad_samples, sample_batches, mid_round = [], None, None, []
+        bar = tqdm(total=steps, desc=f"node {self.node_id}", leave=False, position=1) if self.show_progress else None
+        for step in range(steps):
+            if self.stop.is_set():
+                raise RoundAbandoned(f"node {self.node_id} stopped before inner step {step}")
+            idx = job.sample_indices[step]
+            if step == steps - 1 and job.grad_chunks >= 2:
+                loss, grad_samples, sample_batches = self._last_step_with_samples(idx, job.grad_chunks)
+            else:
+                loss = sum(self._forward_backward(micro, 1.0 / accumulation) for micro in idx) / accumulation
+                if step == steps - 1 and job.grad_chunks == 1:
+                    grad_samples = self._flat_grad()[None]
+                    sample_batches = torch.tensor([float(idx.numel())], dtype=torch.float64)
+            if job.inject_fault == "nan" and step == 0:
+                for p in self.params:  # as a diverging step would: the weights turn NaN, the loss reports it
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+                loss = loss * float("nan")
+            losses.append(loss)
+            if job.sync_gradients:
+                yield GRADIENTS  # the trainer's mean gradient replaces this node's (load_gradients)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clipping sees the true gradient
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skipped when the gradients overflowed; the scale shrinks
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if job.eval_every and self.evaluator is not None and (step + 1) % job.eval_every == 0 and step + 1 < steps:
+                mid_round.append((step + 1, self.evaluator.evaluate().metrics))  # no RNG, no weight touched
+                self.model.train()
+            if bar is not None:
+                bar.update()
+            if step + 1 in pauses:
+                self.round_losses = losses
+                yield step + 1
+        if bar is not None:
+            bar.close()
+        if grad_samples is not None and self.sketch is not None:
+            grad_samples = self.sketch(grad_samples)  # on this node, before anything travels
+        tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
+        step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
+        return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,
+                          sample_batches, self.optimizer.param_groups[0]["lr"], mid_round=mid_round)
