@@ -1,10 +1,16 @@
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread per process, set before torch starts (here and in every run.py, torchrun and harness process the
+# tests start, which inherit it): the tests' models are tiny, so a second thread buys nothing, and the processes that
+# share the cores (pytest-xdist's workers, a torchrun group, a harness and its runs) never spin-wait against each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

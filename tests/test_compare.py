@@ -124,8 +124,9 @@ def network_model_is_checked(out, table, report, tmp_path, cache_dir):
         assert sum(t.tokens for w in rounds for t in w.trainers) == summary["tokens_seen"]
     adloco_rounds = read_rounds(out / "runs" / "adloco_seed0")[0]
     assert any(w.merges for w in adloco_rounds) and any(w.node_moves for w in adloco_rounds)
-    assert all(t.statistics_bytes > 0 for w in adloco_rounds for t in w.trainers)  # the norm test's statistics
-    assert all(t.statistics_bytes == 0 for w in read_rounds(out / "runs" / "diloco_b2_seed0")[0] for t in w.trainers)
+    assert all(t.sync.statistics_bytes > 0 for w in adloco_rounds for t in w.trainers)  # the norm test's statistics
+    diloco_rounds = read_rounds(out / "runs" / "diloco_b2_seed0")[0]
+    assert all(t.sync.statistics_bytes == 0 for w in diloco_rounds for t in w.trainers)
     # predicted time on each --network: every variant, a time to the target, the crossover and the plots
     network = read_csv(out / "network.csv")
     assert {r["network"] for r in network} == {"lab", "consumer"}
