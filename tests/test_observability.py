@@ -238,7 +238,8 @@ def test_the_best_model_line_is_the_model_alive_after_each_merge(tmp_path):
 
     import matplotlib.figure
 
-    from training_logs.plots import best_alive, models_alive, plot_training
+    from training_logs.alive import best_alive, models_alive
+    from training_logs.plots import plot_training
 
     # hand-computed: T2 (the best, 0.5) is absorbed into T0; the merged model scores 0.8, T1 stays at 2.0
     assert models_alive({"0": 1.0, "1": 2.0, "2": 0.5},

@@ -16,9 +16,9 @@ import threading
 from pathlib import Path
 
 from algorithms.traffic import Traffic
+from training_logs.alive import models_alive
 from training_logs.csv_files import start_csv
 from training_logs.memory_monitor import MemoryMonitor
-from training_logs.plots import models_alive, plot_step_loss, plot_training
 from training_logs.records import FaultEvent, InnerEval, MergeEvent, NodeTime, TrainerRow, columns
 from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
@@ -175,6 +175,8 @@ class TrainingLogger:
         return scalars[f"global/{self.metric}"]
 
     def plot(self, step: int) -> list[Path]:
+        from training_logs.plots import plot_step_loss, plot_training  # matplotlib: only a run that plots loads it
+
         with self._lock:
             paths = plot_training(self.csv_path, self.merge_path, self.report_dir, self.metric, self.higher_is_better)
         step_plot = plot_step_loss(self.step_losses.path, self.merge_path, self.report_dir / "step_loss.png")

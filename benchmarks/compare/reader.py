@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from training_logs.plots import models_alive
+from training_logs.alive import models_alive
 from training_logs.records import InnerEval, MergeEvent, TrainerRow, read_records
 from utils.config import Config
 
