@@ -85,7 +85,22 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=cuda)
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist each worker collects (and deselects): it hands its count to the controller's summary."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["deselected_cuda"] = len(_DESELECTED_CUDA)
+
+
+_WORKERS_DESELECTED: list[int] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pytest-xdist's controller: a worker finished
+    _WORKERS_DESELECTED.append(getattr(node, "workeroutput", {}).get("deselected_cuda", 0))
+
+
 def pytest_terminal_summary(terminalreporter):
-    if _DESELECTED_CUDA:
-        terminalreporter.write_line(f"deselected {len(_DESELECTED_CUDA)} CUDA tests (marker cuda): no CUDA device "
+    deselected = max([len(_DESELECTED_CUDA), *_WORKERS_DESELECTED])  # every worker deselects the same tests
+    if deselected:
+        terminalreporter.write_line(f"deselected {deselected} CUDA tests (marker cuda): no CUDA device "
                                     "here; python -m benchmarks.gpu_check runs them on a GPU")
