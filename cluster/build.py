@@ -104,7 +104,7 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
                   cfg.node_speeds, plan.sizes.param_bytes)
     log.info("clock: network %s; throughput %s; node speeds %s", describe(clock.network), clock.curve.source,
              " ".join(f"{v:g}" for v in cfg.node_speeds))
-    feed = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), plan, cfg, evaluator.higher_is_better)
+    feed = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), cfg, evaluator.higher_is_better)
     driver = RoundDriver(cfg, state, backend, feed, evaluator, policies, plan)
     return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state)
 

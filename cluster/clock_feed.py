@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from algorithms.clock import Clock, NodeSchedule, NodeWork, TrainerWork
-from algorithms.comm_plan import CommPlan
 from algorithms.network import describe
 from algorithms.traffic import SyncCost
 from node import NodeJob
@@ -14,9 +13,8 @@ from utils.config import Config
 
 
 class ClockFeed:
-    def __init__(self, clock: Clock, schedule: NodeSchedule, plan: CommPlan, cfg: Config,
-                 higher_is_better: bool) -> None:
-        self.clock, self.schedule, self.plan = clock, schedule, plan
+    def __init__(self, clock: Clock, schedule: NodeSchedule, cfg: Config, higher_is_better: bool) -> None:
+        self.clock, self.schedule = clock, schedule
         self.node_speeds, self.num_inner_steps = cfg.node_speeds, cfg.num_inner_steps
         self.by_speed = cfg.inner_steps_by_speed  # each node's inner steps in proportion to its throughput
         self.target_metric, self.higher_is_better = cfg.target_metric, higher_is_better

@@ -268,8 +268,8 @@ class ClusterController:
             summary["gradient_bytes"] = self.sizes.gradient_bytes
         if self.streaming is not None:  # each node's payload per fragment (benchmarks/replay.py prices them)
             summary["fragment_bytes"] = list(self.sizes.fragment_bytes)
-        if not self.driver.outer_sync.exact:  # how the encoded payloads travelled (runs before the ring: gathered)
-            summary["compressed_sync"] = "ring" if self.driver.outer_sync.ring else "all_gather"
+        if not self.plan.outer_sync.exact:  # how the encoded payloads travelled (runs before the ring: gathered)
+            summary["compressed_sync"] = "ring" if self.plan.outer_sync.ring else "all_gather"
         if sent is not None:  # weights == weights_traffic_bytes: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent
         if not math.isfinite(scores[final_id]):

@@ -51,7 +51,7 @@ class RoundDriver:
                  policies: Policies, plan: CommPlan) -> None:
         self.cfg, self.nodes, self.state, self.backend, self.clock = cfg, state.nodes, state, backend, clock
         self.evaluator, self.policies, self.plan, self.sizes = evaluator, policies, plan, plan.sizes
-        self.outer_sync, self.merge_sync, self.streaming = plan.outer_sync, plan.merge_sync, plan.streams
+        self.merge_sync, self.streaming = plan.merge_sync, plan.streams
         self.grad_chunks = plan.grad_chunks
         self.tokens_per_sequence = state.nodes[0].data.tokens_per_sequence  # every node reads the same corpus
         self.injected = cfg.injected_faults()
@@ -174,9 +174,9 @@ class RoundDriver:
         self.state.traffic.rounds += 1
         self.state.tokens_total += sum(res.tokens for res in results.values())
         self._outer_steps(outer_step, results)
+        trainer_ids = sorted({j.trainer_id for j in jobs})
         # what each trainer's collectives sent and cost, once: the clock and the traffic counters read the same
-        costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None)
-                 for t in sorted({j.trainer_id for j in jobs})}
+        costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None) for t in trainer_ids}
         clock, record.node_times = self.clock.round(outer_step, jobs, costs)
         if self.streaming:  # the good nodes' own weights go on next round, if their trainer stays the same
             for f in faults:
@@ -184,7 +184,6 @@ class RoundDriver:
             for t, res in results.items():
                 for node_id in res.nodes:
                     self.state.continues[node_id] = (t, self.trainers[t].weights_version)
-        trainer_ids = sorted({j.trainer_id for j in jobs})
         evaluations = self.evaluate(trainer_ids)
         for t in trainer_ids:
             if t not in results:  # every node of this trainer failed: it keeps its weights this round
