@@ -8,10 +8,16 @@ fragment is sent or lands, or (DDP / SNOO) where its trainer's nodes average the
 Inner optimizer state: a node keeps its AdamW moments across rounds while it serves the same trainer. When it moves
 to another trainer (re-assignment or merge) its state is reset, because the moments describe another model's
 trajectory.
+
+offload_idle_nodes: between its rounds a node's weights and inner optimizer state wait in host buffers (pinned on
+CUDA, allocated once); `steps` moves them in first and the backend's `release` moves them out once the round's result
+is taken. The tensors keep their identity (only `.data` moves), so the optimizer, the result's state and every other
+holder see the same objects, and every value is copied exactly: no number depends on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -45,6 +51,8 @@ class NodeJob:
     # average their gradients before they step (distributed/synchronous.py)
     sync_gradients: bool = False
 
+
+_nothing = contextlib.nullcontext  # no CUDA stream to copy on (a CPU node)
 
 GRADIENTS = "gradients"  # what Node.steps yields where a synchronous trainer's gradients are averaged
 
@@ -97,6 +105,62 @@ class Node:
         # made that trainer from this one's state) and is checkpointed with the node.
         self.residual: torch.Tensor | None = None
         self.round_losses: list[torch.Tensor] = []  # the losses of the round so far, at a pause
+        self.offload_idle = False  # offload_idle_nodes: weights and optimizer state wait in host memory
+        self.resident = True  # whether the weights and optimizer state are on `device` now
+        self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> its host buffer (reused every round)
+        self._copies = torch.cuda.Stream(device) if device.startswith("cuda") and model is not None else None
+
+    def _moving(self) -> list[torch.Tensor]:
+        """What offloading moves: the replica's parameters and buffers, and the optimizer's per-parameter state
+        (moments: the parameter's shape, where the parameter is; AdamW's step counters stay where torch keeps them)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if self.optimizer is not None:
+            for p, state in self.optimizer.state.items():
+                tensors += [v for v in state.values()
+                            if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device]
+        return tensors
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """offload_idle_nodes: the weights and optimizer state to host memory, the device's copy freed (a no-op
+        without offloading, or when already there)."""
+        if not self.offload_idle or not self.resident or self.model is None:
+            return
+        copies = self._copies
+        if copies is not None:  # after the compute queued so far; other nodes' compute runs on meanwhile
+            copies.wait_stream(torch.cuda.current_stream(self.device))
+        kept, self._host = self._host, {}  # only the buffers of today's tensors (a reset optimizer has new ones)
+        with torch.cuda.stream(copies) if copies is not None else _nothing():
+            for t in self._moving():
+                host = kept.get(id(t))
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                    host = torch.empty_like(t, device="cpu", pin_memory=copies is not None)
+                self._host[id(t)] = host
+                host.copy_(t.data, non_blocking=copies is not None)
+                if copies is not None:
+                    t.data.record_stream(copies)  # the device block is not reused before its copy is done
+                t.data = host
+        if copies is not None:
+            copies.synchronize()  # host readers (checkpoints, the trainer's mean) see the copied values
+        self.resident = False
+
+    @torch.no_grad()
+    def _load_in(self) -> None:
+        """The weights and optimizer state back on the device (from their host buffers, which stay)."""
+        if self.resident:
+            return
+        copies = self._copies
+        with torch.cuda.stream(copies) if copies is not None else _nothing():
+            for t in self._moving():
+                host = t.data
+                on_device = torch.empty_like(host, device=self.device)
+                on_device.copy_(host, non_blocking=copies is not None)
+                if copies is not None:
+                    on_device.record_stream(torch.cuda.current_stream(self.device))
+                t.data = on_device
+        if copies is not None:
+            torch.cuda.current_stream(self.device).wait_stream(copies)  # compute starts once the copies are done
+        self.resident = True
 
     def optimizer_state(self) -> dict | None:
         """A copy of the inner optimizer's state (and fp16 loss scale) on the CPU; None before the first round."""
@@ -112,10 +176,14 @@ class Node:
         if state is None or self.model is None:
             self.optimizer, self.scaler = None, None
             return
+        idle = not self.resident
+        self._load_in()  # the optimizer is made where it computes (fused AdamW on CUDA), as in a round
         self._new_optimizer()
         self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "scaler"})
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if idle:
+            self.release()
 
     def _new_optimizer(self) -> None:
         self.optimizer = self.make_optimizer(self.params)
@@ -198,6 +266,7 @@ class Node:
         while job.inject_fault == "hang":  # a stuck node: only a stop (or torchrun's kill) ends it
             if self.stop.wait(0.1):
                 raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")
+        self._load_in()  # offload_idle_nodes: the node's state comes in for its inner steps
         if job.reset_optimizer or self.optimizer is None:
             self._new_optimizer()
         if not job.keep_local:

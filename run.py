@@ -160,6 +160,12 @@ def train(cfg: Config, resume: tuple[Path, object] | None = None, stop=None) -> 
     check_before_work(cfg)  # model, data paths: before any data work
     if resume is None:
         check_run_name(cfg)
+    if env is None:  # what each device will hold: refused now if it cannot fit (torchrun: one node per process)
+        from cluster.memory_plan import check_memory_plan
+
+        plan = check_memory_plan(cfg)
+        for line in plan.lines() if plan is not None else []:
+            print(line, flush=True)
     from utils.cache import forget_refusals
 
     forget_refusals()  # each run says once if its cache_dir cannot be written (utils/cache.py)

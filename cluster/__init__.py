@@ -1,9 +1,11 @@
 """The simulated cluster: `build_cluster` (build.py) makes its parts from the config, `ClusterController`
 (controller.py) runs the outer loop over them. Its parts: state.py (owners, holds, counters, traffic, the rollback
 snapshot), clock_feed.py (the simulated clock fed from each round), round_driver.py (an outer step and a merge),
-max_batch_calculator.py (the memory probe) and throughput.py (the measured throughput curves)."""
+max_batch_calculator.py (the memory probe), memory_plan.py (what each device holds, before any work),
+placement.py (where the parts live, how the nodes run) and throughput.py (the measured throughput curves)."""
 
-from cluster.build import ClusterParts, build_cluster, master_device_of, use_threads
+from cluster.build import ClusterParts, build_cluster
 from cluster.controller import ClusterController
+from cluster.placement import master_device_of, use_threads
 
 __all__ = ["ClusterController", "ClusterParts", "build_cluster", "master_device_of", "use_threads"]

@@ -23,6 +23,15 @@ from algorithms.streaming import StreamingPlan
 from algorithms.switch_mode import build_switch_mode
 from cluster.clock_feed import ClockFeed
 from cluster.max_batch_calculator import NodeShare, find_max_batch_size
+from cluster.memory_plan import MemoryPlan, idle_state_bytes, plan_of_run
+from cluster.placement import (
+    card_of,
+    computing_per_device,
+    device_index_of_nodes,
+    master_device_of,
+    nodes_on_card,
+    use_threads,
+)
 from cluster.round_driver import Policies, RoundDriver
 from cluster.state import ClusterState
 from cluster.throughput import cached_curve, device_kind, measure_curve
@@ -56,6 +65,7 @@ class ClusterParts:
     clock: ClockFeed
     driver: RoundDriver
     resume_state: dict | None  # the checkpoint's state besides the trainers, read once
+    memory_plan: MemoryPlan | None = None  # at the nodes' max batch (cluster/memory_plan.py); None under torchrun
 
 
 def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_event: threading.Event,
@@ -106,7 +116,12 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
              " ".join(f"{v:g}" for v in cfg.node_speeds))
     feed = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), cfg, evaluator.higher_is_better)
     driver = RoundDriver(cfg, state, backend, feed, evaluator, policies, plan)
-    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state)
+    memory = None
+    if dist_env is None:  # what each device holds at the nodes' max batch (run.py checked it at batch 1)
+        memory = plan_of_run(cfg, model, max(n.max_batch for n in nodes), master_device)
+        for line in memory.lines():
+            log.info("%s", line)
+    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state, memory)
 
 
 def build_sketch(cfg: Config, nodes: list[Node], grad_chunks: int, trainable: int,
@@ -125,41 +140,17 @@ def build_sketch(cfg: Config, nodes: list[Node], grad_chunks: int, trainable: in
     return sketch
 
 
-def use_threads(cfg: Config) -> bool:
-    if cfg.node_execution != "auto":
-        return cfg.node_execution == "threads"
-    if cfg.compile:  # torch.compile is not thread-safe
-        return False
-    # Threads pay off when nodes sit on distinct accelerators; on CPU cores they only contend.
-    cuda = [d for d in cfg.device_names if d.startswith("cuda")]
-    return len(set(cuda)) > 1 and len(cuda) == len(cfg.device_names)
-
-
-def master_device_of(cfg: Config, node_devices: list[str]) -> str:
-    """master_device auto: the nodes' GPU when every node (of this process) is on the same one, else the CPU."""
-    if cfg.master_device == "cpu":
-        return "cpu"
-    devices = {str(torch.device(d if d != "cuda" else "cuda:0")) for d in node_devices}
-    return devices.pop() if len(devices) == 1 and next(iter(devices)).startswith("cuda") else "cpu"
-
-
-def card_of(device: str) -> str:
-    """The physical device a simulated one runs on: 'cuda' is 'cuda:0'."""
-    return "cuda:0" if device == "cuda" else device
-
-
-def nodes_on_card(cfg: Config, device: str) -> int:
-    """Nodes of every simulated device on the same physical CUDA card as `device` (they share its memory)."""
-    return cfg.nodes_per_gpu * sum(card_of(d) == card_of(device) for d in cfg.device_names)
-
-
 def _probe(cfg: Config, model: torch.nn.Module, make_optimizer, device: str, key: int, spec, data: CorpusData) -> int:
     """The largest micro-batch a node of device `key` fits (cluster/max_batch_calculator.py)."""
     try:
+        bounded = cfg.max_concurrent_nodes and use_threads(cfg)  # else every node of a device counts
+        computing = computing_per_device(cfg, True) if bounded else 0
         share = NodeShare(
             cfg.padding_percentage, cfg.nodes_per_gpu,
             memory_mb=spec.memory_mb if device.startswith("cuda") else spec.memory_mb or cfg.device_memory_mb,
-            num_cpu_devices=cfg.device_names.count("cpu"), nodes_on_card=nodes_on_card(cfg, device))
+            num_cpu_devices=cfg.device_names.count("cpu"), nodes_on_card=nodes_on_card(cfg, device),
+            computing=computing, computing_on_card=computing * nodes_on_card(cfg, device) // cfg.nodes_per_gpu,
+            idle_bytes=0 if cfg.offload_idle_nodes or not bounded else idle_state_bytes(model, make_optimizer))
         return find_max_batch_size(model, make_optimizer, device, cfg.seq_len, share,
                                    upper=min(cfg.max_requested_batch, len(data.train)))
     except UserError as exc:
@@ -204,6 +195,8 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
             node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event
             if replica is not None and cfg.eval_every_inner_steps:  # mid-round evaluations of its own weights
                 node.evaluator = Evaluator(replica, data.val, cfg.eval_batch_size, device, precision)
+            node.offload_idle = cfg.offload_idle_nodes
+            node.release()  # offloaded: it waits for its first round in host memory
             nodes.append(node)
     if local is not None and not (resume_state is not None or cfg.max_batch_size):
         import torch.distributed as dist
@@ -257,7 +250,8 @@ def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, master
                   dist_env=None) -> Backend:
     """In this process (InProcessBackend), or one node per torchrun process (TorchrunBackend)."""
     if dist_env is None:
-        return InProcessBackend(nodes, use_threads(cfg), plan, master_device)
+        return InProcessBackend(nodes, use_threads(cfg), plan, master_device, device_index_of_nodes(cfg),
+                                cfg.max_concurrent_nodes)
     from distributed import torchrun
     from distributed.torchrun_backend import TorchrunBackend
 

@@ -52,6 +52,7 @@ class ClusterController:
         self.sketch, self.plan, self.state = parts.sketch, parts.plan, parts.state
         self.backend, self.clock, self.driver = parts.backend, parts.clock, parts.driver
         self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
+        self.memory_plan = parts.memory_plan
         self.driver.round_window = self._memory_window
         self._start = time.time()  # reset when training starts
         if resume is not None:
@@ -272,6 +273,8 @@ class ClusterController:
             summary["compressed_sync"] = "ring" if self.plan.outer_sync.ring else "all_gather"
         if sent is not None:  # weights == weights_traffic_bytes: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent
+        if self.memory_plan is not None:  # what each device holds at the nodes' max batch (cluster/memory_plan.py)
+            summary["memory_plan"] = self.memory_plan.as_dict()
         if not math.isfinite(scores[final_id]):
             log.warning("final %s is not finite", self.evaluator.metric)
         return summary

@@ -121,21 +121,33 @@ class NodeShare:
     memory_mb: float = 0.0
     num_cpu_devices: int = 1
     nodes_on_card: int = 0
+    # max_concurrent_nodes: the nodes of this device (and of the card) that compute at once (0: all of them); the
+    # others keep only idle_bytes each on the device (their weights and optimizer state; 0 when offloaded)
+    computing: int = 0
+    computing_on_card: int = 0
+    idle_bytes: float = 0.0
 
     def cpu_device_bytes(self) -> float:
         return (self.memory_mb or default_device_memory_mb(self.num_cpu_devices)) * MiB
 
+    def _share(self, usable: float, nodes: int, computing: int) -> float:
+        """What one computing node may use of `usable` bytes, the idle nodes' state set aside."""
+        computing = computing or nodes
+        return (usable - (nodes - computing) * self.idle_bytes) / computing
+
     def cpu_bytes(self) -> float:
-        """Bytes one node of a simulated CPU device may use."""
-        return self.cpu_device_bytes() * self.padding_percentage / self.nodes_per_gpu
+        """Bytes one computing node of a simulated CPU device may use."""
+        return self._share(self.cpu_device_bytes() * self.padding_percentage, self.nodes_per_gpu, self.computing)
 
     def cuda_bytes(self, free_bytes: int) -> float:
-        """Bytes one node of a simulated CUDA device may use: its share of the card's free memory among every node
-        on the card (several simulated devices may share one card, as the paper's 4 on one A100), and at most its
-        share of the simulated device's own memory_mb when that is given."""
-        budget = free_bytes * self.padding_percentage / (self.nodes_on_card or self.nodes_per_gpu)
+        """Bytes one computing node of a simulated CUDA device may use: its share of the card's free memory among
+        every node on the card that computes at once (several simulated devices may share one card, as the paper's 4
+        on one A100), and at most its share of the simulated device's own memory_mb when that is given."""
+        budget = self._share(free_bytes * self.padding_percentage, self.nodes_on_card or self.nodes_per_gpu,
+                             self.computing_on_card or self.computing)
         if self.memory_mb:
-            budget = min(budget, self.memory_mb * MiB * self.padding_percentage / self.nodes_per_gpu)
+            budget = min(budget, self._share(self.memory_mb * MiB * self.padding_percentage, self.nodes_per_gpu,
+                                             self.computing))
         return budget
 
 

@@ -7,6 +7,7 @@ nothing (Traffic counts what a real cluster would send).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -30,17 +31,32 @@ class InProcessBackend:
     """
 
     def __init__(self, nodes: list[Node], concurrent: bool, plan: CommPlan | None = None,
-                 master_device: str = "cpu") -> None:
+                 master_device: str = "cpu", device_of: list[int] | None = None, max_concurrent: int = 0) -> None:
+        """device_of: each node's simulated device (its index in `devices`); max_concurrent (max_concurrent_nodes):
+        at most this many nodes of one device compute at once on the node threads (0: all)."""
         self.nodes, self.master_device = nodes, master_device
         self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
         self.sync, self.streaming = self.plan.outer_sync, self.plan.streaming
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
+        self.gates: dict[int, threading.Semaphore] = {}  # node id -> its device's turns
+        if concurrent and max_concurrent and device_of is not None:
+            turns = {d: threading.Semaphore(max_concurrent) for d in set(device_of)}
+            self.gates = {node.node_id: turns[d] for node, d in zip(nodes, device_of)}
 
-    def _map(self, fn, items: list) -> list:
-        """fn over items on the node threads (or in a loop); a stop is raised once every call has returned."""
+    def _map(self, fn, items: list, node_of=lambda item: item.node_id) -> list:
+        """fn over items on the node threads (or in a loop), each waiting for its device's turn (max_concurrent);
+        a stop is raised once every call has returned."""
         if self.pool is None:
             return [fn(item) for item in items]
-        futures = [self.pool.submit(fn, item) for item in items]
+
+        def in_turn(item):
+            gate = self.gates.get(node_of(item))
+            if gate is None:
+                return fn(item)
+            with gate:
+                return fn(item)
+
+        futures = [self.pool.submit(in_turn, item) for item in items]
         outcomes, abandoned = [], None
         for future in futures:  # wait for every node, so none is still writing when we go on
             try:
@@ -75,7 +91,7 @@ class InProcessBackend:
         """A Streaming DiLoCo round (distributed/streamed.py); a stop leaves it at once, every node together."""
         ended, errors = streamed_round(
             self.streaming, self.sync, self.nodes, jobs, trainers, _Wires(self.sync, self.master_device),
-            lambda ids, steps, job_of: self._map(lambda n: advance(steps[n], job_of[n]), ids))
+            self._advance)
         outcomes = [o for o in ended.values() if o is not LEFT]
         combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
                            streamed=True)
@@ -86,11 +102,14 @@ class InProcessBackend:
 
     def _run_synchronous(self, jobs: list[NodeJob]):
         """A DDP / SNOO round (distributed/synchronous.py): the gradients averaged after every inner step."""
-        ended = synchronous_round(self.nodes, jobs, SummedGradients(),
-                                  lambda ids, steps, job_of: self._map(lambda n: advance(steps[n], job_of[n]), ids))
+        ended = synchronous_round(self.nodes, jobs, SummedGradients(), self._advance)
         outcomes = list(ended.values())
         return (combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
                         identical=True), [o for o in outcomes if isinstance(o, NodeFault)])
+
+    def _advance(self, node_ids: list[int], round_steps: dict, job_of: dict) -> list:
+        """Those nodes to their next pause (distributed/node_round.py: advance), each in its device's turn."""
+        return self._map(lambda n: advance(round_steps[n], job_of[n], self.nodes[n]), node_ids, int)
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""

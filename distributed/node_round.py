@@ -48,26 +48,36 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
     try:
         result = node.run(job)
     except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
+        node.release()
         raise
     except Exception as exc:  # a node fault, handled by the on_node_fault policy
+        node.release()
         return _failed(job, exc)
     fault = _checked(job, result)
     if fault is None and sync is not None and not sync.exact:
         result.payload, node.residual = sync.encode(job.master, result.state, node.residual, job.flat_master)
+    node.release()  # offload_idle_nodes: its state leaves the device before the next node computes
     return fault or result
 
 
-def advance(round_steps, job: NodeJob) -> int | NodeResult | NodeFault:
+def advance(round_steps, job: NodeJob, node: Node | None = None) -> int | NodeResult | NodeFault:
     """Run a node's round (`Node.steps`) to its next pause: the pause's step count, or at the end its result;
-    an exception or, at the end, non-finite numbers become a NodeFault (RoundAbandoned passes)."""
+    an exception or, at the end, non-finite numbers become a NodeFault (RoundAbandoned passes). node: released
+    (offload_idle_nodes) once its round has ended."""
     try:
         return next(round_steps)
     except StopIteration as done:
         result = done.value
     except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
+        if node is not None:
+            node.release()
         raise
     except Exception as exc:
+        if node is not None:
+            node.release()
         return _failed(job, exc)
+    if node is not None:
+        node.release()
     return _checked(job, result) or result
 
 

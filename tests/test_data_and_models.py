@@ -92,8 +92,8 @@ def test_simulated_cuda_devices_on_one_card_share_its_memory():
     """The 16-node reading of the paper's cluster simulates 4 GPUs on one card with 4 nodes each: every one of the 16
     nodes gets a sixteenth of the card's free memory (not a quarter, as if each simulated device owned the card), and
     a device's own memory_mb caps its nodes' share. The authors' reading: 4 nodes on the card, a quarter each."""
-    from cluster.build import nodes_on_card
     from cluster.max_batch_calculator import MiB, NodeShare
+    from cluster.placement import nodes_on_card
     from utils.config import load_config
 
     paper = load_config(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml")

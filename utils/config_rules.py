@@ -61,6 +61,9 @@ def check_cluster(cfg: ConfigFields) -> None:
         raise ConfigError("precision", "tf32 is a CUDA matmul mode; on CPU use fp32 (or bf16)")
     if cfg.dist_backend == "nccl" and not any(d.startswith("cuda") for d in cfg.device_names):
         raise ConfigError("dist_backend", "nccl needs CUDA devices; use gloo (or auto) on CPU")
+    if cfg.compile and cfg.offload_idle_nodes:
+        raise ConfigError("offload_idle_nodes", "moving a compiled replica's weights between rounds would recompile "
+                          "it every round: use compile: false with offloading")
     if cfg.compile and cfg.node_execution == "threads":
         raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
                           "(or torchrun, one node per process)")

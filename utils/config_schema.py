@@ -96,6 +96,14 @@ class ConfigFields:
     node_execution: str = _f("auto", "How the nodes of a round run: threads (concurrent, as in the paper), "
                              "sequential, or auto (threads only when nodes sit on distinct CUDA devices). "
                              "Results do not depend on it.", choices=("auto", "threads", "sequential"), resume=True)
+    max_concurrent_nodes: int = _f(0, "At most this many nodes of a simulated device run their inner steps at once "
+                                   "(node_execution threads); the others wait their turn. 0 = all. The max-batch "
+                                   "probe shares a device's memory among the nodes that compute at once, so a probed "
+                                   "max batch can grow with it; nothing else depends on it (docs/running.md).",
+                                   min=0, resume=True)
+    offload_idle_nodes: bool = _f(False, "Keep each node's weights and inner optimizer state in host memory (pinned "
+                                  "on CUDA) while it waits, moving them to its device for its inner steps and back "
+                                  "after. Results do not depend on it (docs/running.md).", resume=True)
     precision: str = _f("fp32", "Precision of the nodes' forward/backward passes and of evaluation: fp32, tf32 "
                         "(CUDA TensorFloat-32 matmuls), bf16 (autocast; CUDA or CPU) or fp16 (autocast with a "
                         "per-node loss scaler, as the paper). Weights, masters and the outer step stay fp32.",
