@@ -15,11 +15,15 @@ DIR/gpu_check.md after every step (and printed at the end):
                refuses two processes on one device), against the simulated cluster on the same GPU
   torchrun_comm  the same with outer_compression int8, statistics_comm sketch and Streaming DiLoCo (2
                fragments, sync_delay 1: asynchronous collectives in flight during inner steps)
+  memory       one short round of each paper reading (microllama-300m from its preset, 5 inner steps): the
+               measured peak (torch.cuda.max_memory_allocated, memory_log.csv) against the memory plan in
+               summary.json, and tokens/s of the 4-node reading with offload_idle_nodes against resident nodes
   system       benchmarks.system --device cuda, microllama-300m at seq 512, fp32 / tf32 / bf16 /
                bf16+compile: tokens/s, MFU, engine vs plain loop, run.py rounds vs the node loop
 
 Targets (checked, and reported as met or not): the engine's node loop >= 0.9x a plain bf16 + compile loop,
-300M MFU >= 40% in bf16 + compile, run.py end to end >= 0.85x the node loop.
+300M MFU >= 40% in bf16 + compile, run.py end to end >= 0.85x the node loop, the measured peak within 10% of the
+memory plan, offloaded nodes >= 0.9x the tokens/s of resident ones.
 
 Needs the packages of requirements.txt except clearml and tensorboard (tracking is off), and the
 embedded corpus wheel in cache_dir or at ADLOCO_EXLLAMAV2_WHEEL: nothing is downloaded (the steps run
@@ -64,7 +68,18 @@ TARGETS = {  # name -> (what, threshold)
     "engine_speed_over_plain_bf16_compile": ("engine node loop / plain loop tokens/s, bf16 + compile", 0.9),
     "mfu_bf16_compile": ("microllama-300m MFU, bf16 + compile (datasheet peak)", 0.40),
     "end_to_end_over_node_loop": ("run.py rounds / node loop tokens/s", 0.85),
+    # 1 - |measured peak - plan| / plan, the worse of the two paper readings: >= 0.9 is "within 10%"
+    "memory_plan_accuracy": ("1 - |peak - plan| / plan, worse paper reading", 0.9),
+    "offloaded_over_resident": ("4-node reading, offload_idle_nodes / resident tokens/s", 0.9),
 }
+# the memory step: a paper reading's first round, short, with no download (MicroLlama's architecture from its preset)
+PAPER_ROUND = ["dataset=embedded", "hub_downloads=false", "model_config.pretrained=false",
+               "model_config.name=microllama-300m", "tokenizer=bpe", "tokenizer_vocab_size=32000",
+               "num_outer_steps=1", "num_inner_steps=5", "eval_every_inner_steps=0", "val_size=16",
+               "save_weights_every=0", "plot_every=0", "clearml_mode=off"]
+READINGS = {"paper_4_nodes": ("configs/paper_microllama_c4.yaml", []),
+            "paper_16_nodes": ("configs/paper_microllama_c4_16nodes.yaml", []),  # offloaded, 1 per device
+            "paper_4_nodes_offloaded": ("configs/paper_microllama_c4.yaml", ["offload_idle_nodes=true"])}
 REQUIRED = {"torch": "everything", "transformers": "models", "tokenizers": "tokenizers", "datasets": "data loading",
             "safetensors": "checkpoints", "yaml": "config", "matplotlib": "plots", "psutil": "memory monitor",
             "tqdm": "progress bars", "pytest": "cuda_tests", "clearml": "not needed (clearml_mode=off)",
@@ -201,6 +216,11 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
             step.ok = step.detail["against_simulated"]["same_decisions"] and step.detail["against_simulated"]["within"]
         else:
             step.ok = False
+    elif step.name == "memory":
+        step.detail, text = memory_checks(run, runs, python, step.max_s / len(READINGS))
+        step.ok = all(isinstance(v, dict) for v in step.detail.values())
+        if not step.ok:
+            step.error = next(v for v in step.detail.values() if not isinstance(v, dict))
     elif step.name == "system":
         numbers = out / "system.json"
         code, text = run(step.name, [python, "-m", "benchmarks.system", "--device", "cuda", "--preset",
@@ -233,6 +253,31 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
         step.error = last_error_line(text)
 
 
+def peak_mib(run_dir: Path) -> float:
+    """The largest allocator peak of the card in the run's memory log (every stage, the probe's included)."""
+    with (run_dir / "model_training_report" / "memory_log.csv").open() as f:
+        return max(float(row[k]) for row in csv.DictReader(f) for k in row if k.endswith("_peak_mib") and row[k])
+
+
+def memory_checks(run, runs: Path, python: str, limit: float) -> tuple[dict, str]:
+    """Each paper reading's short round: planned bytes (summary.json's plan at the probed batch) against the measured
+    peak, and tokens/s; a reading that failed holds its error line."""
+    detail, text = {}, ""
+    for name, (config, extra) in READINGS.items():
+        code, text = run(name, [python, "run.py", "--config", config, *PAPER_ROUND, *extra, f"log_dir={runs}",
+                                f"run_name={name}"], limit)
+        if code != 0:
+            detail[name] = last_error_line(text)
+            continue
+        summary = json.loads((runs / name / "summary.json").read_text())
+        planned = summary["memory_plan"]["devices"][0]["planned_bytes"] / 2**20
+        peak = peak_mib(runs / name)
+        detail[name] = {"planned_mib": planned, "peak_mib": peak, "accuracy": 1 - abs(peak - planned) / planned,
+                        "tokens_per_s": summary["tokens_seen"] / summary["wall_time_s"],
+                        "micro_batch": summary["memory_plan"]["micro_batch"]}
+    return detail, text
+
+
 def targets_of(steps: list[Step]) -> dict:
     """Each target: measured value (None when its step did not run or failed) and whether it is met."""
     system = next((s.detail for s in steps if s.name == "system" and s.ok), None)
@@ -242,6 +287,11 @@ def targets_of(steps: list[Step]) -> dict:
         measured["engine_speed_over_plain_bf16_compile"] = compiled.get("engine_speed_over_plain")
         measured["mfu_bf16_compile"] = compiled.get("mfu_datasheet")
         measured["end_to_end_over_node_loop"] = system.get("end_to_end", {}).get("over_node_loop")
+    memory = next((s.detail for s in steps if s.name == "memory" and s.ok), None)
+    if memory:
+        measured["memory_plan_accuracy"] = min(memory[r]["accuracy"] for r in ("paper_4_nodes", "paper_16_nodes"))
+        measured["offloaded_over_resident"] = (memory["paper_4_nodes_offloaded"]["tokens_per_s"]
+                                               / memory["paper_4_nodes"]["tokens_per_s"])
     return {name: {"what": what, "target": threshold, "measured": measured[name],
                    "met": None if measured[name] is None else measured[name] >= threshold}
             for name, (what, threshold) in TARGETS.items()}
@@ -296,6 +346,7 @@ STEPS = [("cuda_tests", "pytest -m cuda (tests/test_cuda.py)", 150), ("run_fp32"
          ("run_threads", "run.py, 4 nodes as threads on one GPU", 60),
          ("torchrun", "torchrun, 2 processes on one GPU, vs the simulated cluster", 120),
          ("torchrun_comm", "the same with int8 + error feedback, sketched statistics, 2 streamed fragments", 120),
+         ("memory", "the paper readings' first rounds: peak against the memory plan, offloaded tokens/s", 480),
          ("system", "benchmarks.system, microllama-300m seq 512", 240),
          ("curves", "throughput curves (benchmarks.system --curve) of microllama-mini and -300m, bf16", 180)]
 

@@ -5,7 +5,8 @@ resident for the whole run (the trainers' masters and outer optimizer state wher
 replica, each node's weights and inner optimizer state unless offload_idle_nodes keeps them in host memory, the
 error-feedback residuals) and the transient bytes of a round (the gradients and activations of the nodes that compute
 at once, the weights and optimizer state moved in for them, the gradient samples held until their trainer's
-statistics are taken), against the device's memory. A CUDA card shared by several simulated devices is one device
+statistics are taken), against the device's memory; and in host memory, the offloaded state and the round's rollback
+snapshot of every node's optimizer state. A CUDA card shared by several simulated devices is one device
 here (they share its memory); each simulated CPU device has its own budget (devices[i].memory_mb or
 device_memory_mb). The activations come from a meta forward pass in the precision's dtype, which saves about 10% more
 than a real CPU pass does (and more than a flash-attention kernel saves): the plan errs on the safe side.
@@ -154,7 +155,7 @@ class DevicePlan:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     devices: list[DevicePlan]
-    host_bytes: int  # offloaded nodes' state (pinned on CUDA) and the masters when they live on the CPU
+    host_bytes: int  # offloaded nodes' state (pinned on CUDA), the rollback snapshot, masters on the CPU
     micro_batch: int
 
     @property
@@ -213,7 +214,8 @@ def plan_memory(cfg: Config, sizes: ModelSizes, micro_batch: int, threads: bool,
     master = card_of(master_device) if master_device.startswith("cuda") else "cpu"
     masters = {"masters": cfg.num_init_trainers * sizes.weight_bytes,
                "outer_optimizer": cfg.num_init_trainers * sizes.gradient_bytes if cfg.outer_momentum else 0}
-    plans, host = [], sum(masters.values()) if master == "cpu" else 0
+    # every round starts with a rollback snapshot (cluster/state.py): each node's optimizer state copied to the CPU
+    plans, host = [], (sum(masters.values()) if master == "cpu" else 0) + cfg.total_nodes * sizes.optimizer_bytes
     for key, members in _groups(cfg).items():
         nodes = cfg.nodes_per_gpu * len(members)
         computing = min(nodes, computing_per_device(cfg, threads) * len(members)) if threads else 1

@@ -86,7 +86,7 @@ def test_a_step_that_did_not_run_leaves_its_targets_unmeasured():
     result = {**recorded_result(), "steps": [vars(s) for s in steps], "targets": gpu_check.targets_of(steps)}
     text = gpu_check.render_markdown(result)
     assert "| system | benchmarks.system | not run | 0 | not run: the time budget was used up |" in text
-    assert text.count("| not measured |") == 3
+    assert text.count("| not measured |") == len(gpu_check.TARGETS)
 
 
 def test_the_cuda_marker_is_deselected_here_and_says_so():
@@ -108,6 +108,43 @@ def test_every_run_the_check_makes_is_a_valid_config():
         assert cfg.total_nodes == 2  # torchrun --nproc-per-node 2
         cfg = load_config(ROOT / "config.yaml", [*gpu_check.TORCHRUN, *gpu_check.COMM, f"dist_backend={backend}"])
         assert cfg.sync_fragments == 2 and cfg.outer_compression == "int8"
+    for config, extra in gpu_check.READINGS.values():  # the memory step's short paper rounds
+        cfg = load_config(ROOT / config, [*gpu_check.PAPER_ROUND, *extra])
+        assert cfg.model_config.name == "microllama-300m" and not cfg.hub_downloads and cfg.num_inner_steps == 5
+        assert cfg.total_nodes in (4, 16) and (cfg.offload_idle_nodes == (cfg.total_nodes == 16 or bool(extra)))
+
+
+def test_the_memory_step_sets_the_peak_against_the_plan(tmp_path):
+    """Each reading's planned bytes (summary.json) against the peak of its memory log; the targets take the worse
+    reading and the offloaded 4-node tokens/s over the resident ones."""
+    import csv
+
+    gib = 2**30
+    given = {"paper_4_nodes": (30 * gib, 31 * 1024, 1000.0), "paper_16_nodes": (45 * gib, 40 * 1024, 900.0),
+             "paper_4_nodes_offloaded": (20 * gib, 20 * 1024, 950.0)}  # planned bytes, peak MiB, tokens/s
+
+    def run(name, cmd, limit):
+        planned, peak, speed = given[name]
+        report = tmp_path / name / "model_training_report"
+        report.mkdir(parents=True)
+        (tmp_path / name / "summary.json").write_text(json.dumps({
+            "memory_plan": {"devices": [{"planned_bytes": planned}], "micro_batch": 3},
+            "tokens_seen": speed * 10, "wall_time_s": 10.0}))
+        with (report / "memory_log.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["stage", "cuda:0_peak_mib"])
+            w.writerows([["before_round", peak / 2], ["round_peak", peak]])
+        return 0, ""
+
+    detail, _ = gpu_check.memory_checks(run, tmp_path, sys.executable, 60)
+    assert detail["paper_4_nodes"]["accuracy"] == pytest.approx(1 - 1 / 30)
+    assert detail["paper_16_nodes"]["accuracy"] == pytest.approx(1 - 5 / 45)
+    steps = [gpu_check.Step("memory", "memory", 480, True, 100.0, detail)]
+    targets = gpu_check.targets_of(steps)
+    assert targets["memory_plan_accuracy"]["measured"] == pytest.approx(1 - 5 / 45)
+    assert targets["memory_plan_accuracy"]["met"] is False  # 11% off on the 16-node reading
+    assert targets["offloaded_over_resident"]["measured"] == pytest.approx(0.95) and \
+        targets["offloaded_over_resident"]["met"]
 
 
 def test_two_recorded_runs_are_compared_by_decisions_and_perplexity(tmp_path):
