@@ -180,6 +180,10 @@ def test_both_readings_of_the_papers_cluster_run_their_first_round_on_cpu(tmp_pa
     if nodes_per_trainer == 4:  # the norm test decided from the 4 nodes' gradients of each trainer
         assert all(float(r["grad_sq_norm"]) > 0 and int(r["next_requested_batch"]) >= 1 for r in first)
         assert summary["statistics_bytes"] > 0
+        # 16 nodes that fit one card only offloaded (its config), one per simulated device computing at once
+        assert cfg.offload_idle_nodes and cfg.max_concurrent_nodes == 1
+        assert [(d["nodes"], d["computing_at_once"], d["resident"]["node_weights"])
+                for d in summary["memory_plan"]["devices"]] == [(4, 1, 0)] * 4
     else:  # one gradient per trainer: no variance, the batch stays, nothing is sent
         assert all(r["next_requested_batch"] == "1" for r in first) and summary["statistics_bytes"] == 0
     log = (run_dir / "training_log.log").read_text()
