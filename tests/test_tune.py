@@ -141,3 +141,20 @@ def test_bad_tuning_options_are_refused_in_one_line(tmp_path, capsys):
         assert exc.value.code == 2 and said in capsys.readouterr().err
     with pytest.raises(SystemExit, match="error: .*ETA"):
         tune_main(tune_args(tmp_path / "t", tmp_path, "--trials", "2", "ETA=-1"))
+
+
+def test_a_diverged_run_is_a_finished_trial_and_a_crashed_run_stops_the_tool(tmp_path, cache_dir):
+    """exit 3 (a training fault: the node's loss turned NaN) is the method's outcome: a finished trial at the worst
+    value. exit 1 (an internal error, inject_fault crash) is not: the tool stops with one line, the trial is marked
+    failed, and nothing is counted as finished."""
+    import csv
+
+    diverged = tmp_path / "diverged"
+    assert tune_main(tune_args(diverged, cache_dir, "--trials", "1", "inject_fault=1:0:nan")) == 0
+    (row,) = list(csv.DictReader((diverged / "trials.csv").open()))
+    assert row["state"] == "COMPLETE" and math.isinf(float(row["objective"])) and "exit 3" in row["note"]
+    crashed = tmp_path / "crashed"
+    with pytest.raises(SystemExit, match=r"error: benchmarks\.tune: RuntimeError: variant diloco_b2_p0 .*exit 1"):
+        tune_main(tune_args(crashed, cache_dir, "--trials", "1", "inject_fault=1:0:crash"))
+    (row,) = list(csv.DictReader((crashed / "trials.csv").open()))
+    assert row["state"] == "FAIL" and row["objective"] == "" and "not the method's outcome" in row["note"]

@@ -167,9 +167,26 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
     if run_dir.exists():
         clear_run_dir(run_dir)
     cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *run_args]
-    if run_child(cmd, out / "runs" / f"{run_name}.out") != 0:
-        raise SystemExit(f"variant {name} (seed {seed}) failed; see {out / 'runs' / f'{run_name}.out'}")
+    code = run_child(cmd, out / "runs" / f"{run_name}.out")
+    if code != 0:
+        raise RunFailed(code, f"variant {name} (seed {seed}) failed (exit {code}); see "
+                              f"{out / 'runs' / f'{run_name}.out'}")
     return run_dir, None
+
+
+class RunFailed(SystemExit):
+    """A variant's run.py exited non-zero: `exit_code` 3 is a training fault (it diverged, ...), an outcome of the
+    method; 1 (an internal error) and 2 (bad input) are the tool's or the user's, not the method's."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    @property
+    def training_fault(self) -> bool:
+        from utils.errors import TrainingFault
+
+        return self.exit_code == TrainingFault.exit_code
 
 
 def warm_start(args: Options, out: Path) -> list[str]:

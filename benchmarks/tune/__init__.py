@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 from benchmarks.compare import compare
 from benchmarks.compare.options import Options, build_parser
 from benchmarks.compare.reader import read_run, value_at
-from benchmarks.compare.runner import LIVE_CHILDREN, run_variant, warm_start
+from benchmarks.compare.runner import LIVE_CHILDREN, RunFailed, run_variant, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
 from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage
 from benchmarks.tune.points import PointSampler, distributions
@@ -188,7 +188,12 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             try:
                 run_dir, _ = run_variant(f"{name}_p{point}", [*chosen[name].overrides, *(
                     f"{k}={v}" for k, v in params.items())], tuning.tuning_seed, args, out / "trials", extra)
-            except SystemExit as exc:
+            except RunFailed as exc:
+                if not (exc.training_fault or stop.is_set()):  # the tool's error or bad input, not the method's
+                    trial.set_user_attr("note", f"{exc} (not the method's outcome); its point runs again on the "
+                                                "next call")
+                    study.tell(trial, state=TrialState.FAIL)
+                    raise RuntimeError(str(exc)) from None  # a thread ignores SystemExit: the worker reports this
                 failed = str(exc)
                 run_dir = None
             except BaseException:
@@ -201,7 +206,7 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
                 trial.set_user_attr("note", "stopped by a signal; its point runs again on the next call")
                 study.tell(trial, state=TrialState.FAIL)
                 return
-            if run_dir is None:  # the run itself failed (a non-finite loss, ...): a finished trial, the worst value
+            if run_dir is None:  # a training fault (a non-finite loss, ...): a finished trial, the worst value
                 trial.set_user_attr("note", failed)
                 study.tell(trial, -math.inf if study.direction.name == "MAXIMIZE" else math.inf)
                 continue
