@@ -232,25 +232,31 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
         if step.ok:
             step.detail = json.loads(numbers.read_text())
     elif step.name == "curves":  # the simulated clock's throughput curves (docs/clock.md)
-        from algorithms.clock import ThroughputCurve
-
-        for preset in ("microllama-mini", "microllama-300m"):
-            path = out / f"curve_{preset}.json"
-            code, text = run(f"curve_{preset}", [python, "-m", "benchmarks.system", "--device", "cuda", "--preset",
-                                                 preset, "--variants", "bf16", "--repeats", "2", "--curve", str(path)],
-                             step.max_s / 2)
-            if code != 0 or not path.is_file():
-                step.ok = False
-                break
-            curve = ThroughputCurve.load(path)
-            largest = curve.largest_micro_batch
-            step.detail[preset] = f"x{curve.tokens_per_s(largest) / curve.tokens_per_s(1):.2f} from 1 to {largest}"
-        else:
-            step.ok = True
+        text = curves_step(step, run, out, python)
     else:  # pragma: no cover - the plan names only the steps above
         raise ValueError(step.name)
     if step.ok is False and not step.error:
         step.error = last_error_line(text)
+
+
+def curves_step(step: Step, run, out: Path, python: str) -> str:
+    """The throughput curves of microllama-mini and -300m in bf16, each one's gain from micro-batch 1 recorded."""
+    from algorithms.clock import ThroughputCurve
+
+    text = ""
+    for preset in ("microllama-mini", "microllama-300m"):
+        path = out / f"curve_{preset}.json"
+        code, text = run(f"curve_{preset}", [python, "-m", "benchmarks.system", "--device", "cuda", "--preset",
+                                             preset, "--variants", "bf16", "--repeats", "2", "--curve", str(path)],
+                         step.max_s / 2)
+        if code != 0 or not path.is_file():
+            step.ok = False
+            return text
+        curve = ThroughputCurve.load(path)
+        largest = curve.largest_micro_batch
+        step.detail[preset] = f"x{curve.tokens_per_s(largest) / curve.tokens_per_s(1):.2f} from 1 to {largest}"
+    step.ok = True
+    return text
 
 
 def peak_mib(run_dir: Path) -> float:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -198,7 +199,8 @@ class TorchrunBackend:
         elif self.streaming is not None:
             outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers)
         elif job.sync_gradients:  # DDP / SNOO (distributed/synchronous.py): one all-reduce per inner step
-            ended = synchronous_round(self.nodes, [job], _Gradients(self, members[job.trainer_id]), _advance_or_leave)
+            ended = synchronous_round(self.nodes, [job], _Gradients(self, members[job.trainer_id]),
+                                      partial(_advance_or_leave, self.nodes))
             abandoned = ended[self.rank] is LEFT
             outcome = None if abandoned else ended[self.rank]
         else:
@@ -262,7 +264,7 @@ class TorchrunBackend:
         trainer's fragment and mixes it into its node. A node that failed or left the round (a stop) sends
         empty wires until the round ends, so its group's collectives still match; every member steps."""
         ended, errors = streamed_round(self.streaming, self.sync, self.nodes, [job], trainers,
-                                       _Collectives(self, members), _advance_or_leave)
+                                       _Collectives(self, members), partial(_advance_or_leave, self.nodes))
         outcome = ended.get(self.rank)
         abandoned = outcome is LEFT
         return (None if abandoned else outcome), abandoned, errors.get(job.trainer_id, "")
@@ -455,12 +457,15 @@ class _Gradients:
         return backend._unflat(flat.to(backend.master_device))
 
 
-def _advance_or_leave(node_ids: list[int], round_steps: dict, job_of: dict) -> list:
-    """This rank's node to its next pause; a stop request leaves the round (the node then sends empty wires)."""
+
+
+def _advance_or_leave(nodes: list, node_ids: list[int], round_steps: dict, job_of: dict) -> list:
+    """This rank's node to its next pause (released once its round ends: offload_idle_nodes); a stop request leaves
+    the round (the node then sends empty wires)."""
     outcomes = []
     for node_id in node_ids:
         try:
-            outcomes.append(advance(round_steps[node_id], job_of[node_id]))
+            outcomes.append(advance(round_steps[node_id], job_of[node_id], nodes[node_id]))
         except RoundAbandoned:
             outcomes.append(LEFT)
     return outcomes
