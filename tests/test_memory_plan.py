@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from benchmarks.memory_plan import main
 from cluster.max_batch_calculator import NodeShare
 from cluster.memory_plan import ModelSizes, model_sizes, plan_for_config, plan_memory
 from fabrics.models import load_preset
@@ -78,26 +79,24 @@ def test_the_plan_adds_up_by_hand():
     assert looped.devices[0].computing == 1
 
 
-def _memory_plan(*args):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.memory_plan", *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    return out.returncode, out.stdout, out.stderr
-
-
-def test_the_paper_readings_on_an_80_gb_card():
+def test_the_paper_readings_on_an_80_gb_card(capsys):
     """The 16-node reading does not fit with every node resident, fits offloaded with one node per simulated device
     computing (its config as written); the 4-node reading fits as it is (MicroLlama's preset on the meta device)."""
     sixteen = str(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml")
-    code, out, _ = _memory_plan("--config", sixteen, "--capacity_gb", "80", "--json",
-                                "offload_idle_nodes=false", "max_concurrent_nodes=0")
+    def memory_plan(*args):  # python -m benchmarks.memory_plan, in this process
+        code = main(list(args))
+        return code, capsys.readouterr().out
+
+    code, out = memory_plan("--config", sixteen, "--capacity_gb", "80", "--json", "offload_idle_nodes=false",
+                            "max_concurrent_nodes=0")
     plan = json.loads(out)
     assert code == 1 and plan["fits"] is False and plan["devices"][0]["planned_bytes"] > 80 * GiB
     assert plan["keys_that_fit"] == "offload_idle_nodes=true max_concurrent_nodes=1"
-    code, out, _ = _memory_plan("--config", sixteen, "--capacity_gb", "80", "--json")
+    code, out = memory_plan("--config", sixteen, "--capacity_gb", "80", "--json")
     plan = json.loads(out)
     assert code == 0 and plan["devices"][0]["fits"] is True and plan["devices"][0]["capacity_bytes"] == 80 * GiB
     assert plan["host_bytes"] > 50 * GiB  # 16 nodes' weights and AdamW state wait in host memory
-    code, out, _ = _memory_plan("--config", str(ROOT / "configs" / "paper_microllama_c4.yaml"), "--capacity_gb", "80")
+    code, out = memory_plan("--config", str(ROOT / "configs" / "paper_microllama_c4.yaml"), "--capacity_gb", "80")
     assert code == 0 and "cuda:0" in out and "fits" in out and "NOT" not in out
 
 
