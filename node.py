@@ -108,7 +108,7 @@ class Node:
         self.offload_idle = False  # offload_idle_nodes: weights and optimizer state wait in host memory
         self.resident = True  # whether the weights and optimizer state are on `device` now
         self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> its host buffer (reused every round)
-        self._copies = torch.cuda.Stream(device) if device.startswith("cuda") and model is not None else None
+        self._copies: torch.cuda.Stream | None = None  # CUDA: the stream its offloading copies run on
 
     def _moving(self) -> list[torch.Tensor]:
         """What offloading moves: the replica's parameters and buffers, and the optimizer's per-parameter state
@@ -126,6 +126,8 @@ class Node:
         without offloading, or when already there)."""
         if not self.offload_idle or not self.resident or self.model is None:
             return
+        if self._copies is None and self.device.startswith("cuda"):
+            self._copies = torch.cuda.Stream(self.device)
         copies = self._copies
         if copies is not None:  # after the compute queued so far; other nodes' compute runs on meanwhile
             copies.wait_stream(torch.cuda.current_stream(self.device))
@@ -150,16 +152,17 @@ class Node:
         if self.resident:
             return
         copies = self._copies
+        compute = torch.cuda.current_stream(self.device) if copies is not None else None  # before the switch below
         with torch.cuda.stream(copies) if copies is not None else _nothing():
             for t in self._moving():
                 host = t.data
                 on_device = torch.empty_like(host, device=self.device)
                 on_device.copy_(host, non_blocking=copies is not None)
                 if copies is not None:
-                    on_device.record_stream(torch.cuda.current_stream(self.device))
+                    on_device.record_stream(compute)  # made on the copy stream, used on the compute stream
                 t.data = on_device
         if copies is not None:
-            torch.cuda.current_stream(self.device).wait_stream(copies)  # compute starts once the copies are done
+            compute.wait_stream(copies)  # compute starts once the copies are done
         self.resident = True
 
     def optimizer_state(self) -> dict | None:

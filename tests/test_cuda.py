@@ -3,7 +3,8 @@
 Run by `python -m benchmarks.gpu_check` (or `python -m pytest -m cuda tests` on a GPU machine): bf16 and
 fp16 train with falling loss and track fp32, the fp16 scaler skips an overflowing step, compile matches
 eager, fused AdamW matches the reference AdamW, the batch-test statistics on the device equal the CPU
-ones, and the CUDA max-batch probe stays within its budget and leaves no memory behind.
+ones, the CUDA max-batch probe stays within its budget and leaves no memory behind, and offloaded nodes give the
+resident run's numbers and leave the card while idle.
 """
 
 import csv
@@ -163,3 +164,27 @@ def test_the_cuda_probe_stays_within_its_budget_and_leaves_nothing(tiny_config, 
     assert max(peaks) - before <= budget * 1.05  # 5%: the line through batches 1 and 2 is a prediction
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before  # no tensor of the probe (nor of an OOM) left behind
+
+
+def test_offloaded_nodes_on_the_gpu_give_the_same_run_and_leave_the_card(tmp_path, cache_dir):
+    """offload_idle_nodes on CUDA (pinned host buffers, a copy stream per node), 4 nodes as threads taking turns one at
+    a time: every CSV equals the resident run's, and after a round an idle node holds no device memory."""
+    from tests.test_resume_and_faults import assert_same_run
+
+    runs = {}
+    for name, extra in (("resident", []), ("offloaded", ["offload_idle_nodes=true", "max_concurrent_nodes=1"])):
+        runs[name], _ = train(load_config(ROOT / "config.yaml", [
+            *TINY, "devices=[cuda]", "nodes_per_gpu=4", "num_init_trainers=2", "node_execution=threads",
+            "num_outer_steps=4", f"cache_dir={cache_dir}", f"log_dir={tmp_path}", f"run_name={name}", *extra]))
+    assert_same_run(runs["resident"], runs["offloaded"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    node = Node(0, "cuda:0", model, lambda ps: torch.optim.AdamW(list(ps)), 0.0, None)
+    node.offload_idle = True
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    node.release()
+    assert torch.cuda.memory_allocated() <= before - 4 * 1024 * 1024  # the 4 MiB weight matrix left the card
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    node._load_in()
+    assert all(p.is_cuda for p in model.parameters())
