@@ -218,3 +218,29 @@ def test_offloading_changes_no_number_in_paused_rounds(tiny_config, shape):
 
     for name in ("training_log.csv", "step_loss_log.csv"):
         assert rows(runs[1], name) == rows(runs[0], name), name
+
+
+def test_the_probe_finds_a_larger_batch_when_fewer_nodes_compute(tiny_config):
+    """The probe of a simulated CPU device of 4 nodes: with max_concurrent_nodes 1 (threads) the computing node gets
+    the device less the 3 idle nodes' state, more than a quarter of it; offloaded, the whole device."""
+    from cluster.build import _probe
+    from trainers import TRAINERS
+
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    cfg = tiny_config("nodes_per_gpu=4", "device_memory_mb=400", "max_requested_batch=4096", "seq_len=128",
+                      "node_execution=threads")
+
+    class Data:
+        train = range(4096)
+
+    def probed(*overrides):
+        c = cfg.replace(**dict(overrides))
+        return _probe(c, model, TRAINERS[c.distributed_algo].inner_optimizer_factory(c), "cpu", 0,
+                      c.device_specs[0], Data)
+
+    every = probed()
+    one = probed(("max_concurrent_nodes", 1))
+    alone = probed(("max_concurrent_nodes", 1), ("offload_idle_nodes", True))
+    assert 0 < every < one < alone
+    assert probed(("max_concurrent_nodes", 4)) == every  # all four compute: today's share
