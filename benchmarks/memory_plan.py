@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{d.computing} computing at once)")
         for kind, parts in (("resident", d.resident), ("transient", d.transient)):
             print(f"    {kind}: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items() if v) + " GiB")
-    print(f"  host: {plan.host_bytes / GiB:.2f} GiB (offloaded nodes' state, the rounds' rollback snapshot, masters "
-          "on the CPU)")
+    print(f"  host: {plan.host_bytes / GiB:.2f} GiB (" + ", ".join(f"{k} {v / GiB:.2f}" for k, v in plan.host.items()
+                                                           if v) + ")")
     if not plan.fits:
         print(f"  to fit: {fix or 'none of offload_idle_nodes / max_concurrent_nodes is enough; lower nodes_per_gpu, '}"
               + ("" if fix else "seq_len or the model"))

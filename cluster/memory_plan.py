@@ -5,8 +5,9 @@ resident for the whole run (the trainers' masters and outer optimizer state wher
 replica, each node's weights and inner optimizer state unless offload_idle_nodes keeps them in host memory, the
 error-feedback residuals) and the transient bytes of a round (the gradients and activations of the nodes that compute
 at once, the weights and optimizer state moved in for them, the gradient samples held until their trainer's
-statistics are taken), against the device's memory; and in host memory, the offloaded state and the round's rollback
-snapshot of every node's optimizer state. A CUDA card shared by several simulated devices is one device
+statistics are taken), against the device's memory; and in host memory, the offloaded state, the masters when they
+live on the CPU, and two copies of every node's optimizer state: the rollback snapshot each round takes, and a
+checkpoint's while it is written. A CUDA card shared by several simulated devices is one device
 here (they share its memory); each simulated CPU device has its own budget (devices[i].memory_mb or
 device_memory_mb). The activations come from a meta forward pass in the precision's dtype, which saves about 10% more
 than a real CPU pass does (and more than a flash-attention kernel saves): the plan errs on the safe side.
@@ -155,15 +156,19 @@ class DevicePlan:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     devices: list[DevicePlan]
-    host_bytes: int  # offloaded nodes' state (pinned on CUDA), the rollback snapshot, masters on the CPU
+    host: dict[str, int]  # offloaded nodes' state (pinned on CUDA), masters on the CPU, the state's copies
     micro_batch: int
 
     @property
     def fits(self) -> bool:
         return all(d.fits is not False for d in self.devices)
 
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
     def as_dict(self) -> dict:
-        return {"devices": [d.as_dict() for d in self.devices], "host_bytes": self.host_bytes,
+        return {"devices": [d.as_dict() for d in self.devices], "host_bytes": self.host_bytes, "host": dict(self.host),
                 "micro_batch": self.micro_batch, "fits": self.fits}
 
     def lines(self) -> list[str]:
@@ -214,8 +219,12 @@ def plan_memory(cfg: Config, sizes: ModelSizes, micro_batch: int, threads: bool,
     master = card_of(master_device) if master_device.startswith("cuda") else "cpu"
     masters = {"masters": cfg.num_init_trainers * sizes.weight_bytes,
                "outer_optimizer": cfg.num_init_trainers * sizes.gradient_bytes if cfg.outer_momentum else 0}
-    # every round starts with a rollback snapshot (cluster/state.py): each node's optimizer state copied to the CPU
-    plans, host = [], (sum(masters.values()) if master == "cpu" else 0) + cfg.total_nodes * sizes.optimizer_bytes
+    # every round starts with a rollback snapshot (cluster/state.py), and every checkpoint copies the state again
+    # while it is written: each node's optimizer state on the CPU, twice
+    plans = []
+    host = {"offloaded_nodes": 0, "masters": sum(masters.values()) if master == "cpu" else 0,
+            "rollback_snapshot": cfg.total_nodes * sizes.optimizer_bytes,
+            "checkpoint_copy": cfg.total_nodes * sizes.optimizer_bytes}
     for key, members in _groups(cfg).items():
         nodes = cfg.nodes_per_gpu * len(members)
         computing = min(nodes, computing_per_device(cfg, threads) * len(members)) if threads else 1
@@ -230,7 +239,7 @@ def plan_memory(cfg: Config, sizes: ModelSizes, micro_batch: int, threads: bool,
                      "activations": computing * sizes.activation_bytes(micro_batch),
                      "statistics": nodes * statistics_sample_bytes}
         if cfg.offload_idle_nodes:
-            host += nodes * state_bytes
+            host["offloaded_nodes"] += nodes * state_bytes
         plans.append(DevicePlan(key, nodes, computing, resident, transient,
                                 _capacity(cfg, key, members, capacity_gb)))
     return MemoryPlan(plans, host, micro_batch)
@@ -314,4 +323,22 @@ def check_memory_plan(cfg: Config) -> MemoryPlan | None:
         return None
     if not plan.fits:
         raise UserError(f"memory plan: {refusal(plan, cfg)}")
+    import psutil
+
+    short = host_shortfall(plan, psutil.virtual_memory().available)
+    if short:
+        raise UserError(f"memory plan: {short}")
     return plan
+
+
+def host_shortfall(plan: MemoryPlan, available_bytes: int) -> str:
+    """What the host cannot hold ("" if it can): the plan's host bytes and the simulated CPU devices' (the same RAM)
+    against the memory available now."""
+    cpu = sum(d.planned_bytes for d in plan.devices if d.device.startswith("cpu"))
+    need = plan.host_bytes + cpu
+    if need <= available_bytes:
+        return ""
+    parts = ", ".join(f"{k} {v / GiB:.3g}" for k, v in plan.host.items() if v)
+    return (f"the host needs {need / GiB:.3g} GiB ({parts}" + (f", CPU devices {cpu / GiB:.3g}" if cpu else "")
+            + f" GiB), more than the {available_bytes / GiB:.3g} GiB available; use fewer nodes or a machine with "
+            "more memory")

@@ -68,13 +68,14 @@ def test_the_plan_adds_up_by_hand():
     assert card.transient == {"moved_in": 0, "gradients": 16 * w, "activations": 16 * (a1 + 2 * a),
                               "statistics": 16 * w}
     assert card.capacity_bytes == 80 * GiB
-    assert resident.host_bytes == 16 * 2 * w  # the rollback snapshot of every node's optimizer state
+    assert resident.host == {"offloaded_nodes": 0, "masters": 0, "rollback_snapshot": 16 * 2 * w,
+                             "checkpoint_copy": 16 * 2 * w}  # each node's optimizer state, copied twice
     offloaded = plan_memory(cfg, sizes, 3, True, "cuda:0", 80, statistics_sample_bytes=w)  # as written: both keys
     (card,) = offloaded.devices
     assert card.computing == 4  # one per simulated device
     assert card.resident["node_weights"] == card.resident["node_optimizer"] == 0
     assert card.transient["moved_in"] == 4 * 3 * w and card.transient["gradients"] == 4 * w
-    assert offloaded.host_bytes == 16 * 3 * w + 16 * 2 * w
+    assert offloaded.host["offloaded_nodes"] == 16 * 3 * w and offloaded.host_bytes == 16 * 3 * w + 2 * 16 * 2 * w
     looped = plan_memory(cfg, sizes, 3, False, "cuda:0", 80)  # nodes in a loop: one computes at a time
     assert looped.devices[0].computing == 1
 
@@ -244,3 +245,15 @@ def test_the_probe_finds_a_larger_batch_when_fewer_nodes_compute(tiny_config):
     alone = probed(("max_concurrent_nodes", 1), ("offload_idle_nodes", True))
     assert 0 < every < one < alone
     assert probed(("max_concurrent_nodes", 4)) == every  # all four compute: today's share
+
+
+def test_a_plan_the_host_cannot_hold_is_named():
+    """The 16-node reading offloaded needs its nodes' state, the rollback snapshot and a checkpoint's copy in host
+    memory: a machine with less available is told so, in one line with each part."""
+    from cluster.memory_plan import host_shortfall
+
+    plan = plan_for_config(load_config(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml"), capacity_gb=80)
+    assert plan.fits and host_shortfall(plan, plan.host_bytes) == ""
+    line = host_shortfall(plan, 64 * GiB)
+    assert line.startswith("the host needs 127 GiB (offloaded_nodes 54.5, rollback_snapshot 36.3, checkpoint_copy "
+                           "36.3 GiB), more than the 64 GiB available")
