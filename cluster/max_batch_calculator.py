@@ -56,21 +56,29 @@ def _static_bytes(model: torch.nn.Module, make_optimizer: Callable, seq_len: int
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
+def saved_bytes(forward: Callable[[], object], skip: frozenset[int] = frozenset()) -> int:
+    """Bytes of the storages autograd saves for backward while `forward()` runs (each storage once; `skip`: storages,
+    by their `_cdata`, not to count), plus its output's logits (their gradient, during backward). Keyed by storage,
+    not address, so that it counts meta tensors too (cluster/memory_plan.py)."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        if storage._cdata not in skip:
+            seen[storage._cdata] = storage.nbytes()
         # detached: a hook that returns a saved output itself ties it to its own grad_fn in a cycle that no
         # collector frees (each probe pass at the budget leaked the whole budget)
         return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(**_batch(model, seq_len, batch, "cpu"))
+        out = forward()
     logits_bytes = out.logits.numel() * out.logits.element_size()
     del out
-    return sum(seen.values()) + logits_bytes  # + the logits gradient during backward
+    return sum(seen.values()) + logits_bytes
+
+
+def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
+    return saved_bytes(lambda: model(**_batch(model, seq_len, batch, "cpu")))
 
 
 def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, budget_bytes: float,

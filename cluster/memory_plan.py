@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.max_batch_calculator import MiB, default_device_memory_mb
+from cluster.max_batch_calculator import MiB, default_device_memory_mb, saved_bytes
 from cluster.placement import card_of, computing_per_device, master_device_of, use_threads
 from utils.config import Config
 from utils.errors import UserError
@@ -96,23 +96,13 @@ def _activations(model: torch.nn.Module, seq_len: int, batch: int, weights_are_c
     """Bytes saved for backward by one training forward pass on the meta device (+ the logits' gradient).
     weights_are_counted: the weights a layer saves are the node's own (fp32), counted already; under autocast
     they are the layer's half-precision copies, which are new bytes."""
-    seen: dict[int, int] = {}
-    own = {p.untyped_storage()._cdata for p in model.parameters()} if weights_are_counted else set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in own:
-            seen[storage._cdata] = storage.nbytes()  # meta storages have no address: one entry per storage
-        return t.detach()
-
+    own = frozenset(p.untyped_storage()._cdata for p in model.parameters()) if weights_are_counted else frozenset()
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     classifier = type(model).__name__.endswith("ForSequenceClassification")
     labels = torch.zeros(batch, dtype=torch.long, device="meta") if classifier else ids
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        # no attention mask: the meta device cannot decide a mask's shortcuts; the packed sequences' mask is all ones
-        out = model(input_ids=ids, labels=labels)
-    return sum(seen.values()) + out.logits.numel() * out.logits.element_size()
+    # no attention mask: the meta device cannot decide a mask's shortcuts; the packed sequences' mask is all ones
+    return saved_bytes(lambda: model(input_ids=ids, labels=labels), own)
 
 
 def model_sizes(model: torch.nn.Module, make_optimizer, seq_len: int, precision: str = "fp32") -> ModelSizes:
