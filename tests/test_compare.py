@@ -9,6 +9,8 @@ import yaml
 
 from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
+from benchmarks.compare.batches import along_training, critical_batch, grows, series_of
+from benchmarks.compare.variants import catalogue, custom
 from benchmarks.replay import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
@@ -29,6 +31,52 @@ def test_value_at_interpolates_between_neighbours_and_flags_short_runs():
     assert reached and value == pytest.approx(31.6227766)
     assert value_at(curve, "tokens", 5, log_scale=False)[0] == pytest.approx(55.0)
     assert value_at(curve, "tokens", 30) == (1.0, False)  # ended below the budget: its last value
+
+
+def test_the_critical_batch_against_linear_scaling_by_hand():
+    # batch 2 reaches the target at step 100: linear scaling gives 50 steps at 4, 25 at 8, 12.5 at 16 (x1.2: 60, 30)
+    assert critical_batch([(2, 100, 500), (4, 60, 250), (8, 31, 125), (16, 10, 62)]) == (
+        4, "between 4 and 8: batch 8 needs 31 steps, 1.24x linear scaling from batch 2")  # 16 would pass: not counted
+    assert critical_batch([(2, 100, 500), (4, 55, 250)]) == (
+        4, ">= 4: the largest batch of the sweep still scales within 20%")
+    # never reached, in more steps than linear scaling's bound allows: beyond
+    assert critical_batch([(2, 100, 500), (4, None, 250)]) == (
+        2, "between 2 and 4: batch 4 did not reach it in its 250 steps, 5.00x linear scaling from batch 2")
+    # never reached, but its run ended before the bound (30 steps at batch 8): undecided, a lower bound
+    assert critical_batch([(2, 100, 500), (4, 50, 250), (8, None, 28)]) == (
+        4, ">= 4; batch 8 is undecided: its run ended at 28 steps, before 1.2x linear scaling from batch 2 (30)")
+    assert critical_batch([(2, None, 500), (4, None, 250)])[0] is None
+    assert critical_batch([(2, 100, 500)])[0] is None
+
+
+def test_the_critical_batch_along_training_per_sweep():
+    def runs(batch, points):  # (tokens, steps, metric)
+        return [{"curve": [{"tokens": t, "steps": s, "metric": m} for t, s, m in points], "constant_batch": batch}]
+
+    tokens = [0, 200, 500, 800, 1000]
+    b2 = runs(2, zip(tokens, [0, 100, 250, 400, 500], [100, 50, 20, 10, 8]))  # the targets: 50, 20, 10
+    results = {
+        "diloco_b2": b2,
+        # batch 4: 125 steps to 50 (2.5x linear), 125 to 20 (1.0x), 200 to 10 (1.0x)
+        "diloco_b4": runs(4, zip(tokens, [0, 50, 125, 200, 250], [100, 60, 20, 10, 9])),
+        "diloco_b2_tuned": b2,
+        "diloco_b4_tuned": runs(4, zip(tokens, [0, 50, 125, 200, 250], [100, 50, 20, 10, 8])),  # linear throughout
+        "adloco": runs(0, zip(tokens, [0, 100, 250, 400, 500], [100, 40, 15, 9, 7])),  # not a sweep
+    }
+    assert series_of("diloco_nesterov_b16_tuned") == "diloco_nesterov_tuned" and series_of("b4_mine") == "b4_mine"
+    rows = along_training(results, 1000, higher=False)
+    assert [(r["sweep"], r["when"], r["target"], r["critical_batch"]) for r in rows] == [
+        ("diloco", "early", 50, 2), ("diloco", "middle", 20, 4), ("diloco", "late", 10, 4),
+        ("diloco_tuned", "early", 50, 4), ("diloco_tuned", "middle", 20, 4), ("diloco_tuned", "late", 10, 4)]
+    assert grows(rows) == [
+        "diloco: the critical batch grows along training (2 -> 4 -> 4, early to late) (a lower bound where the "
+        "sweep's largest batch still scaled or was undecided)",
+        "diloco_tuned: the critical batch does not grow along training (4 -> 4 -> 4, early to late) (a lower bound "
+        "where the sweep's largest batch still scaled or was undecided)"]
+    # a tuned variant from the command line keeps its base's batch: it joins its own sweep, not the untuned one
+    known = catalogue(load_config(ROOT / "config.yaml"), [2, 4], 1e-3)
+    added = custom(("diloco_b4_tuned=diloco_b4:lr_inner=0.001",), known)
+    assert added["diloco_b4_tuned"].constant_batch == 4 and known["diloco_nesterov_b2"].constant_batch == 2
 
 
 def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):

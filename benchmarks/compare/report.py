@@ -79,7 +79,21 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
                                 "metric_std": std, "runs_ended_below_budget": sum(not ok for _, ok in values)})
     return {"metric": metric, "target": target, "reference": reference, "main": main_rows, "budgets": budget_rows,
             "critical_batch": critical,
+            "along_training": batches.along_training(results, float(args.max_tokens), higher),
             "merges": merge_rows}
+
+
+def along_training_section(rows: list[dict]) -> list[str]:
+    """Each constant-batch sweep's critical batch at three targets along training, and whether it grows."""
+    if not rows:
+        return []
+    when = ", ".join(f"{w} {share:.0%}" for w, share in batches.ALONG_TRAINING)
+    return ["## The critical batch along training", "",
+            "Per constant-batch sweep (batches whose names differ only in _bB), the critical batch at three targets: "
+            f"the metric the sweep's smallest batch reached after a share of the token budget ({when}); the steps "
+            "of every batch against linear scaling from the smallest one that reached it (Zhang et al. 2025's 20%).",
+            "", *table(rows, ["sweep", "when", "tokens", "target", "critical_batch", "in_words"]), "",
+            *(f"- {sentence}" for sentence in batches.grows(rows)), ""]
 
 
 def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
@@ -147,6 +161,7 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
              f"2025's measure for batch warmup). The sweep's {report['critical_batch']} (Zhang et al. 2025: steps "
              "within 20% of linear scaling).", "",
              *table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"]), "",
+             *along_training_section(report["along_training"]),
              *seeds.sections(results, metric, float(args.max_tokens), report["reference"], out)]
     for axis, label in AXES.items():
         rows = [r for r in report["budgets"] if r["axis"] == axis]

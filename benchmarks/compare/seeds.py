@@ -85,7 +85,8 @@ def paired_rows(rows: list[dict], reference: str, key: str = "at_budget") -> lis
 
 
 def best_constant(results: dict[str, list[dict]], rows: list[dict], higher: bool) -> str:
-    """The constant-batch sweep's best variant by its mean value at the token budget ("" with fewer than two)."""
+    """The best constant batch of every sweep in the report (tuned, Nesterov, plain) by its mean value at the token
+    budget ("" with fewer than two)."""
     sweep = [name for name, runs in results.items() if runs[0].get("constant_batch")]
     if len(sweep) < 2:
         return ""

@@ -106,7 +106,7 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     # at every batch of the sweep: run when named or with --variants nesterov
     for b in diloco_batches:
         chosen.append(Variant(f"diloco_nesterov_b{b}", "diloco", (*diloco_at[b], *NESTEROV), "nesterov",
-                              search=(LR_INNER, *OUTER)))
+                              constant_batch=b, search=(LR_INNER, *OUTER)))
     chosen.append(Variant("diloco_rampup", "diloco", (*single, "sampling_method=linear_rampup", "rampup_tokens=0",
                                                       real_batch)))
     chosen.append(Variant("localsgd", "localsgd", (*single, "sampling_method=constant", "distributed_algo=LocalSGD",
@@ -154,7 +154,9 @@ def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Varia
         if base and base not in pool:
             raise SystemExit(f"error: --add_variant {name}: unknown base {base}; choose from {', '.join(pool)}")
         parent = pool[base] if base else Variant(name, "adloco", ())
-        added[name] = Variant(name, parent.family, (*parent.overrides, *own_overrides), "custom", search=parent.search)
+        # its base's batch too: a tuned diloco_b4 is batch 4 of its own sweep (batches.series_of)
+        added[name] = Variant(name, parent.family, (*parent.overrides, *own_overrides), "custom",
+                              constant_batch=parent.constant_batch, search=parent.search)
     return added
 
 
@@ -171,7 +173,8 @@ def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, clus
     groups = {
         "all": lambda k, v: v.group == "core" or (cluster and v.group == "cluster"),
         # the paper's variant, its ablations and the constant-batch sweep (its starting batch's DiLoCo included)
-        "paper": lambda k, v: k == "adloco_paper" or v.group == "paper" or bool(v.constant_batch),
+        "paper": lambda k, v: k == "adloco_paper" or v.group == "paper"
+        or (v.group == "core" and bool(v.constant_batch)),
         "communication": lambda k, v: k in ("adloco", f"diloco_b{batches[len(batches) // 2]}")
         or v.group == "communication",
         "nesterov": lambda k, v: v.group == "nesterov"}
