@@ -107,6 +107,57 @@ def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tm
     # a second call with the same --trials has nothing left to do; a larger one extends the same sequence
     assert tune_main(again_args) == 0
     assert len(trials_of(storage)) == len(trials)
+    finalists_without_their_untuned_selves(out, cache_dir, min(done, key=lambda t: t.value))
+
+
+def finalists_without_their_untuned_selves(out, cache_dir, best):
+    """--seeds 2 --tuned_only --untuned DIR:diloco_b2: the best trial's point on seeds 0 and 1, nothing untuned run
+    here, what tuning changed paired seed by seed with the other report's diloco_b2."""
+    import csv
+
+    untuned = out.parent / "untuned_report"
+    untuned.mkdir()
+    (untuned / "budgets.csv").write_text("axis,budget,variant,metric_mean,metric_std,runs_ended_below_budget\n"
+                                         "tokens,8000.0,diloco_b2,1,0,0\n")
+    (untuned / "runs.csv").write_text("variant,seed,at_budget\ndiloco_b2,0,900.0\ndiloco_b2,1,1000.0\n")
+    args = tune_args(out, cache_dir, "--trials", "3", "--seeds", "2", "--tuned_only", "--untuned",
+                     f"{untuned}:diloco_b2", max_tokens=8000)
+    assert tune_main(args) == 0
+    runs = {p.name for p in (out / "runs").iterdir() if p.is_dir()}
+    assert runs == {"diloco_b2_tuned_seed0", "diloco_b2_tuned_seed1"}
+    assert load_config(out / "runs" / "diloco_b2_tuned_seed0" / "config.yaml").lr_inner == best.params["lr_inner"]
+    tuned = {int(r["seed"]): float(r["at_budget"]) for r in csv.DictReader((out / "runs.csv").open())}
+    (row,) = list(csv.DictReader((out / "tuning_changed.csv").open()))
+    assert (row["variant"], row["untuned_from"], row["pairs"]) == ("diloco_b2", str(untuned), "2")
+    assert float(row["mean_difference"]) == pytest.approx((tuned[0] - 900 + tuned[1] - 1000) / 2)
+    assert "## What tuning changed" in (out / "comparison.md").read_text()
+
+
+def test_what_tuning_changed_pairs_seeds_and_refuses_other_budgets(tmp_path):
+    from benchmarks.tune.changed import rows
+    from utils.errors import UserError
+
+    def report(name, budget, lines):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "budgets.csv").write_text(f"axis,budget\nrounds,9\ntokens,{budget}\n")
+        (tmp_path / name / "runs.csv").write_text("variant,seed,at_budget\n" + "".join(
+            f"{v},{s},{x}\n" for v, s, x in lines))
+        return tmp_path / name
+
+    tuned = report("tuned", 100, [("a_tuned", 0, 10), ("a_tuned", 1, 12), ("a_tuned", 2, 11), ("b_tuned", 0, 5),
+                                  ("b", 0, 6), ("b_tuned", 1, 5), ("b", 1, 7), ("c_tuned", 0, 1)])
+    other = report("other", 100, [("a", 0, 20), ("a", 1, 20), ("a", 2, 23), ("a", 3, 99)])
+    found = {r["variant"]: r for r in rows(tuned, [(other, ["a"])])}
+    a = found["a"]  # differences -10, -8, -12 (seed 3 has no pair): mean -10, sd 2, t(0.975, 2) = 4.303
+    assert (a["untuned_from"], a["pairs"], a["untuned_mean"], a["tuned_mean"]) == (str(other), 3, 21, 11)
+    assert a["mean_difference"] == -10 and a["ci95_low"] == pytest.approx(-10 - 4.303 * 2 / math.sqrt(3))
+    assert not a["interval_contains_0"]
+    assert (found["b"]["untuned_from"], found["b"]["mean_difference"]) == ("this report", -1.5)
+    assert found["c"] == {"variant": "c", "untuned_from": "not run", "pairs": 0}
+    with pytest.raises(UserError, match="token budget 50, the tuned report's is 100"):
+        rows(tuned, [(report("short", 50, [("a", 0, 1)]), ["a"])])
+    with pytest.raises(UserError, match="no z in its runs.csv"):
+        rows(tuned, [(other, ["z"])])
 
 
 def test_two_processes_share_one_study_and_never_run_a_point_twice(tmp_path, cache_dir):

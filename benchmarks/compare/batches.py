@@ -89,10 +89,10 @@ def rows(results: dict[str, list[dict]], target: float, higher: bool) -> tuple[l
     return out, "critical batch (per node) of " + "; of ".join(words)
 
 
-# where along training the critical batch is measured: the sweep's smallest batch's metric after these shares of
-# the token budget. Late is 80%, not 100%: at the smallest batch's final value, linear scaling's 1.2x bound would
-# exceed a larger batch's whole run (its steps are B0 / B of the smallest's at a matched token budget), so a batch
-# that had not reached it could be neither inside nor beyond
+# where along training the critical batch is measured: the sweep's smallest batch's metric (its worst seed's)
+# after these shares of the token budget. Late is 80%, not 100%: at the smallest batch's final value, linear
+# scaling's 1.2x bound would exceed a larger batch's whole run (its steps are B0 / B of the smallest's at a matched
+# token budget), so a batch that had not reached it could be neither inside nor beyond
 ALONG_TRAINING = (("early", 0.2), ("middle", 0.5), ("late", 0.8))
 
 
@@ -103,8 +103,9 @@ def along_training(results: dict[str, list[dict]], budget: float, higher: bool) 
     for series, points in sweeps(results).items():
         smallest_runs = points[0][1]
         for when, share in ALONG_TRAINING:
-            target = statistics.mean(value_at(r["curve"], "tokens", share * budget, log_scale=not higher)[0]
-                                     for r in smallest_runs)
+            # the worst seed's value: every seed of the smallest batch reaches it by then
+            target = (min if higher else max)(value_at(r["curve"], "tokens", share * budget,
+                                                       log_scale=not higher)[0] for r in smallest_runs)
             batch, words = critical_batch(sweep_points(points, target, higher))
             out.append({"sweep": series, "when": when, "tokens": share * budget, "target": target,
                         "critical_batch": batch, "in_words": words})

@@ -98,6 +98,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def starting_reference(name: str, start: int, results: dict[str, list[dict]]) -> str:
+    """DiLoCo at a variant's starting batch: a tuned variant's is the tuned diloco_bB (benchmarks.tune's
+    VARIANT_tuned) when the report has it, else the plain diloco_bB (which may not be in the report)."""
+    tuned = [f"diloco_b{start}_tuned"] if name.endswith("_tuned") else []
+    return next((r for r in (*tuned, f"diloco_b{start}") if r in results), f"diloco_b{start}")
+
+
 def paper_rows(rows: list[dict], results: dict[str, list[dict]]) -> list[dict]:
     """Each AdLoCo-family variant against DiLoCo at its own starting batch (diloco_bB in the same report): steps and
     simulated time to each target, per seed paired, as a ratio (below 1: AdLoCo needs less)."""
@@ -106,7 +113,7 @@ def paper_rows(rows: list[dict], results: dict[str, list[dict]]) -> list[dict]:
         if runs[0]["family"] != "adloco":
             continue
         start = starting_batch(runs[0])
-        reference = f"diloco_b{start}"
+        reference = starting_reference(name, start, results)
         if reference not in results:
             out.append({"variant": name, "vs": f"{reference} (not in this report)",
                         **{f"{k}_{t}": "-" for t in TARGET_SHARES for k in ("steps", "sim_time")}})
@@ -138,7 +145,8 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
     """runs.csv, and comparison.md's sections: paired differences and the paper's comparison."""
     higher = metric == "val_accuracy"
     starts = {starting_batch(runs[0]) for runs in results.values() if runs[0]["family"] == "adloco"}
-    diloco_start = next((f"diloco_b{b}" for b in sorted(starts) if f"diloco_b{b}" in results), "")
+    diloco_start = next((r for b in sorted(starts) for r in (f"diloco_b{b}", f"diloco_b{b}_tuned") if r in results),
+                        "")
     targets = paper_targets(results[diloco_start], budget, higher) if diloco_start else {}
     rows = run_rows(results, budget, targets, higher)
     write_runs_csv(rows, out)

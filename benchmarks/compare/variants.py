@@ -178,7 +178,7 @@ def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, clus
         "communication": lambda k, v: k in ("adloco", f"diloco_b{batches[len(batches) // 2]}")
         or v.group == "communication",
         "nesterov": lambda k, v: v.group == "nesterov"}
-    names = wanted.split(",")
+    names = [n for n in wanted.split(",") if n]  # none: only --add_variant's (benchmarks.tune's tuned finalists)
     unknown = set(names) - set(catalogue) - set(groups)
     if unknown:
         raise SystemExit(f"error: --variants: unknown {', '.join(sorted(unknown))}; choose from "

@@ -14,8 +14,9 @@ run again by the next call, never counted twice. --workers K runs K trials at on
 cores (cpu_threads). --storage URL shares the studies among processes on several machines (claims.py says how).
 The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
-VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals). Every other option is
-the comparison harness's (python -m benchmarks.compare --help).
+VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
+(changed.py: tuning_changed.csv); --untuned DIR:V1,... takes untuned runs from a finished report instead, and
+--tuned_only runs none. Every other option is the comparison harness's (python -m benchmarks.compare --help).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from benchmarks.compare.options import Options, build_parser
 from benchmarks.compare.reader import read_run, value_at
 from benchmarks.compare.runner import LIVE_CHILDREN, RunFailed, run_variant, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
+from benchmarks.tune import changed
 from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage
 from benchmarks.tune.points import PointSampler, distributions
 from utils.config import load_config
@@ -52,6 +54,8 @@ class Tuning:
     workers: int
     storage: str
     tuning_seed: int
+    tuned_only: bool = False  # the finalists without their untuned selves
+    untuned: tuple[str, ...] = ()  # DIR:V1,V2,...: reports holding untuned runs of these variants
 
 
 def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
@@ -64,12 +68,24 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
                    "(default: the SQLite file OUT/studies.db)")
     p.add_argument("--tuning_seed", type=int, default=1000, help="training_seed of every trial (--seeds' finalists "
                    "run on 0..S-1, fresh seeds)")
+    p.add_argument("--tuned_only", action="store_true", help="with --seeds: run only the tuned finalists, not their "
+                   "untuned selves (take those from --untuned reports)")
+    p.add_argument("--untuned", action="append", default=[], help="with --seeds, DIR:V1,V2,...: a finished report of "
+                   "the same regime whose runs of these variants are the untuned ones (not run again here; repeatable)")
     values = vars(p.parse_args(argv))
-    tuning = Tuning(*(values.pop(k) for k in ("trials", "workers", "storage", "tuning_seed")))
+    tuning = Tuning(*(values.pop(k) for k in ("trials", "workers", "storage", "tuning_seed", "tuned_only",
+                                              "untuned")))
     if tuning.trials < 1 or tuning.workers < 1:
         p.error("--trials and --workers must be at least 1")
     if not values["max_tokens"]:
         p.error("--max_tokens: give the token budget; every trial's objective is the metric at exactly that budget")
+    try:
+        sources = [changed.parse_source(spec) for spec in tuning.untuned]
+    except UserError as exc:
+        p.error(str(exc))
+    for path, _ in sources:
+        if not (path / "runs.csv").is_file():
+            p.error(f"--untuned {path}: no runs.csv there (a finished report of benchmarks.compare)")
     if 0 <= tuning.tuning_seed < values["seeds"]:
         p.error(f"--tuning_seed {tuning.tuning_seed} is one of the finalists' seeds 0..{values['seeds'] - 1}; the "
                 "finalists must run on fresh seeds")
@@ -136,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.seeds:
             for s in STOPS:
                 signal.signal(s, raise_interrupted)
-            return finalists(studies, chosen, args)
+            return finalists(studies, chosen, args, tuning)
         return 0
     except Interrupted as exc:
         print(f"stopped by {signal.Signals(exc.signum).name}: run the same command again to go on (finished runs "
@@ -229,13 +245,22 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], p
                             t.user_attrs.get("note", ""), t.user_attrs.get("run_dir", "")])
 
 
-def finalists(studies: dict[str, optuna.Study], chosen: dict[str, Variant], args: Options) -> int:
-    """Each variant's best trial as VARIANT_tuned, on seeds 0..S-1 beside the untuned VARIANT: the harness's report."""
+def finalists(studies: dict[str, optuna.Study], chosen: dict[str, Variant], args: Options, tuning: Tuning) -> int:
+    """Each variant's best trial as VARIANT_tuned, on seeds 0..S-1 beside the untuned VARIANT (unless --tuned_only,
+    or an --untuned report holds it): the harness's report, and what tuning changed (changed.py)."""
     specs = []
     for name, study in studies.items():
         best = study.best_trial
         specs.append(f"{name}_tuned={name}:" + " ".join(f"{k}={v}" for k, v in best.params.items()))
         print(f"{name}: best trial {best.number} (point {best.user_attrs['point']}): {best.value:.4g} at "
               + ", ".join(f"{k}={v}" for k, v in best.params.items()))
-    named = ",".join(name for name, v in chosen.items() if v.group != "custom")  # --add_variant's come back by spec
-    return compare(dataclasses.replace(args, variants=named, add_variant=(*args.add_variant, *specs)))
+    sources = [changed.parse_source(spec) for spec in tuning.untuned]
+    elsewhere = {name for _, names in sources for name in names}
+    named = ",".join(name for name, v in chosen.items()  # --add_variant's come back by spec
+                     if v.group != "custom" and not tuning.tuned_only and name not in elsewhere)
+    code = compare(dataclasses.replace(args, variants=named, add_variant=(*args.add_variant, *specs)))
+    if code == 0:
+        report = Path(args.report_out) if args.report_out else Path(args.out)
+        changed.write(report, sources)
+        print(f"what tuning changed: {report / 'tuning_changed.csv'}")
+    return code
