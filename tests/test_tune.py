@@ -66,7 +66,7 @@ def test_every_method_has_a_search_space_and_the_nesterov_baseline_is_dilocos_st
     assert [k.key for k in nesterov.search] == ["lr_inner", "lr_outer", "outer_momentum"]
 
 
-def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tmp_path, cache_dir):
+def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tmp_path, cache_dir, monkeypatch):
     """Two workers, SIGTERM while both trials run: both marked failed, no orphan; the next call finishes exactly 3
     trials, points 0, 1, 2 once each, the stopped points with the same values as before."""
     out = tmp_path / "tune"
@@ -107,24 +107,37 @@ def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tm
     # a second call with the same --trials has nothing left to do; a larger one extends the same sequence
     assert tune_main(again_args) == 0
     assert len(trials_of(storage)) == len(trials)
-    finalists_without_their_untuned_selves(out, cache_dir, min(done, key=lambda t: t.value))
+    finalists_without_their_untuned_selves(out, cache_dir, min(done, key=lambda t: t.value), monkeypatch)
 
 
-def finalists_without_their_untuned_selves(out, cache_dir, best):
-    """--seeds 2 --tuned_only --untuned DIR:diloco_b2: the best trial's point on seeds 0 and 1, nothing untuned run
-    here, what tuning changed paired seed by seed with the other report's diloco_b2."""
+def finalists_without_their_untuned_selves(out, cache_dir, best, monkeypatch):
+    """--seeds 2 --tuned_only --untuned DIR:diloco_b2 --workers 2: the best trial's point on seeds 0 and 1 at once,
+    nothing untuned run here, what tuning changed paired seed by seed with the other report's diloco_b2."""
     import csv
+
+    import benchmarks.tune as tune
+    from benchmarks.compare.runner import run_variant
 
     untuned = out.parent / "untuned_report"
     untuned.mkdir()
     (untuned / "budgets.csv").write_text("axis,budget,variant,metric_mean,metric_std,runs_ended_below_budget\n"
                                          "tokens,8000.0,diloco_b2,1,0,0\n")
     (untuned / "runs.csv").write_text("variant,seed,at_budget\ndiloco_b2,0,900.0\ndiloco_b2,1,1000.0\n")
-    args = tune_args(out, cache_dir, "--trials", "3", "--seeds", "2", "--tuned_only", "--untuned",
+    args = tune_args(out, cache_dir, "--trials", "3", "--seeds", "2", "--workers", "2", "--tuned_only", "--untuned",
                      f"{untuned}:diloco_b2", max_tokens=8000)
+    spans = {}
+
+    def timed(name, overrides, seed, *rest):  # when each finalist's run began and ended
+        began = time.monotonic()
+        found = run_variant(name, overrides, seed, *rest)
+        spans[seed] = (began, time.monotonic())
+        return found
+
+    monkeypatch.setattr(tune, "run_variant", timed)
     assert tune_main(args) == 0
     runs = {p.name for p in (out / "runs").iterdir() if p.is_dir()}
     assert runs == {"diloco_b2_tuned_seed0", "diloco_b2_tuned_seed1"}
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]  # the two workers ran them at once
     assert load_config(out / "runs" / "diloco_b2_tuned_seed0" / "config.yaml").lr_inner == best.params["lr_inner"]
     tuned = {int(r["seed"]): float(r["at_budget"]) for r in csv.DictReader((out / "runs.csv").open())}
     (row,) = list(csv.DictReader((out / "tuning_changed.csv").open()))

@@ -10,8 +10,8 @@ the harness's token budget, and its objective is the report's measure: the valid
 budget. Trials are the points of one scrambled Halton sequence (benchmarks/tune/points.py), so no method gets a
 smarter search. --trials N is how many finished trials each study should hold: a second call continues the studies
 (to a larger N too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked failed and
-run again by the next call, never counted twice. --workers K runs K trials at once here, each with its share of the
-cores (cpu_threads). --storage URL shares the studies among processes on several machines (claims.py says how).
+run again by the next call, never counted twice. --workers K runs K trials (and then K finalists' runs) at once
+here, each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on several machines (claims.py says how).
 The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
@@ -149,11 +149,21 @@ def main(argv: list[str] | None = None) -> int:
                    else ""))
             return 0
         print(f"{tuning.trials} finished trials per variant: {out / 'trials.csv'}")
-        if args.seeds:
-            for s in STOPS:
-                signal.signal(s, raise_interrupted)
-            return finalists(studies, chosen, args, tuning)
-        return 0
+        if not args.seeds:
+            return 0
+        named, specs = finalist_variants(studies, chosen, tuning)
+        runs = {**{n: v for n, v in chosen.items() if n in named or v.group == "custom"},  # --add_variant's: always
+                **custom(specs, chosen)}
+        run_finalists(runs, trial_args, out, extra, tuning.workers, stop, errors)
+        if errors:
+            raise SystemExit(f"error: benchmarks.tune: {errors[0]}")
+        if stopped_by:
+            print(f"stopped by {signal.Signals(stopped_by[0]).name}: the finalists' runs in flight were stopped; run "
+                  "the same command again to go on (finished runs are reused, stopped ones resume)", file=sys.stderr)
+            return 128 + stopped_by[0]
+        for s in STOPS:
+            signal.signal(s, raise_interrupted)
+        return report(named, specs, trial_args, tuning)
     except Interrupted as exc:
         print(f"stopped by {signal.Signals(exc.signum).name}: run the same command again to go on (finished runs "
               "are reused)", file=sys.stderr)
@@ -245,22 +255,61 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], p
                             t.user_attrs.get("note", ""), t.user_attrs.get("run_dir", "")])
 
 
-def finalists(studies: dict[str, optuna.Study], chosen: dict[str, Variant], args: Options, tuning: Tuning) -> int:
-    """Each variant's best trial as VARIANT_tuned, on seeds 0..S-1 beside the untuned VARIANT (unless --tuned_only,
-    or an --untuned report holds it): the harness's report, and what tuning changed (changed.py)."""
+def finalist_variants(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning
+                      ) -> tuple[list[str], tuple[str, ...]]:
+    """The finalists: the untuned variants that run beside the tuned ones (none with --tuned_only; not those an
+    --untuned report holds), and each variant's best trial as an --add_variant spec, VARIANT_tuned=VARIANT:..."""
     specs = []
     for name, study in studies.items():
         best = study.best_trial
         specs.append(f"{name}_tuned={name}:" + " ".join(f"{k}={v}" for k, v in best.params.items()))
         print(f"{name}: best trial {best.number} (point {best.user_attrs['point']}): {best.value:.4g} at "
               + ", ".join(f"{k}={v}" for k, v in best.params.items()))
-    sources = [changed.parse_source(spec) for spec in tuning.untuned]
-    elsewhere = {name for _, names in sources for name in names}
-    named = ",".join(name for name, v in chosen.items()  # --add_variant's come back by spec
-                     if v.group != "custom" and not tuning.tuned_only and name not in elsewhere)
-    code = compare(dataclasses.replace(args, variants=named, add_variant=(*args.add_variant, *specs)))
+    elsewhere = {name for _, names in map(changed.parse_source, tuning.untuned) for name in names}
+    named = [name for name, v in chosen.items()  # --add_variant's come back by their own spec
+             if v.group != "custom" and not tuning.tuned_only and name not in elsewhere]
+    return named, tuple(specs)
+
+
+def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra: list[str], workers: int,
+                  stop: threading.Event, errors: list[str]) -> None:
+    """Every finalist run (variant x seed) on `workers` threads, each a run.py child, before the report, which then
+    reuses them all. A failed run stops the others (errors gets its line); a signal (forward) stops them too."""
+    jobs = [(name, v.overrides, seed) for name, v in variants.items() for seed in range(args.seeds)]
+    lock = threading.Lock()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                if not jobs:
+                    return
+                name, overrides, seed = jobs.pop(0)
+            try:
+                run_variant(name, list(overrides), seed, args, out, extra)
+            except RunFailed as exc:
+                if not stop.is_set():
+                    errors.append(str(exc))
+                    stop.set()
+                return
+            except Exception as exc:  # the tool's own error: one line, every worker stops
+                errors.append(f"{type(exc).__name__}: {exc}")
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # joined with a timeout, so that signals reach forward()
+        for t in threads:
+            t.join(0.2)
+
+
+def report(named: list[str], specs: tuple[str, ...], args: Options, tuning: Tuning) -> int:
+    """The harness's report over the finalists (every run reused), and what tuning changed (changed.py)."""
+    code = compare(dataclasses.replace(args, variants=",".join(named), add_variant=(*args.add_variant, *specs)))
     if code == 0:
-        report = Path(args.report_out) if args.report_out else Path(args.out)
-        changed.write(report, sources)
-        print(f"what tuning changed: {report / 'tuning_changed.csv'}")
+        where = Path(args.report_out) if args.report_out else Path(args.out)
+        changed.write(where, [changed.parse_source(spec) for spec in tuning.untuned])
+        print(f"what tuning changed: {where / 'tuning_changed.csv'}")
     return code
