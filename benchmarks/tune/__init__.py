@@ -10,8 +10,9 @@ the harness's token budget, and its objective is the report's measure: the valid
 budget. Trials are the points of one scrambled Halton sequence (benchmarks/tune/points.py), so no method gets a
 smarter search. --trials N is how many finished trials each study should hold: a second call continues the studies
 (to a larger N too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked failed and
-run again by the next call, never counted twice. --workers K runs K trials (and then K finalists' runs) at once
-here, each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on several machines (claims.py says how).
+run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at once here,
+each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on several
+machines (claims.py says how).
 The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
@@ -126,20 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         given = any(o.startswith("cpu_threads=") for o in args.overrides)  # the user's own share wins
         trial_args = args if given else dataclasses.replace(args, overrides=(*args.overrides, f"cpu_threads={threads}"))
         errors: list[str] = []
-        work = [threading.Thread(target=worker, args=(studies, chosen, tuning, trial_args, out, extra, stop, errors),
-                                 daemon=True) for _ in range(tuning.workers)]
-        for w in work:
-            w.start()
-        while any(w.is_alive() for w in work):  # joined with a timeout, so that signals reach forward()
-            for w in work:
-                w.join(0.2)
+        on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
         write_trials(studies, chosen, out / "trials.csv")
-        if errors:
-            raise SystemExit(f"error: benchmarks.tune: {errors[0]}")
-        if stopped_by:
-            print(f"stopped by {signal.Signals(stopped_by[0]).name}: the trials in flight were stopped and marked "
-                  "failed; run the same command again to go on (finished trials are kept)", file=sys.stderr)
-            return 128 + stopped_by[0]
+        if errors or stopped_by:
+            return ended(errors, stopped_by, "the trials in flight were stopped and marked failed; run the same "
+                         "command again to go on (finished trials are kept)")
         # a point neither finished nor free is in flight in another process (this one ran until none was free)
         missing = {name: free_points(study, tuning.trials, in_flight=True) for name, study in studies.items()}
         if any(missing.values()):
@@ -155,12 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = {**{n: v for n, v in chosen.items() if n in named or v.group == "custom"},  # --add_variant's: always
                 **custom(specs, chosen)}
         run_finalists(runs, trial_args, out, extra, tuning.workers, stop, errors)
-        if errors:
-            raise SystemExit(f"error: benchmarks.tune: {errors[0]}")
-        if stopped_by:
-            print(f"stopped by {signal.Signals(stopped_by[0]).name}: the finalists' runs in flight were stopped; run "
-                  "the same command again to go on (finished runs are reused, stopped ones resume)", file=sys.stderr)
-            return 128 + stopped_by[0]
+        if errors or stopped_by:
+            return ended(errors, stopped_by, "the finalists' runs in flight were stopped; run the same command again "
+                         "to go on (finished runs are reused, stopped ones resume)")
         for s in STOPS:
             signal.signal(s, raise_interrupted)
         return report(named, specs, trial_args, tuning)
@@ -171,6 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def on_threads(workers: int, target, *args) -> None:
+    """`workers` threads of target(*args), joined with a timeout, so that signals reach the main thread's handler."""
+    threads = [threading.Thread(target=target, args=args, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(0.2)
+
+
+def ended(errors: list[str], stopped_by: list[int], stopped: str) -> int:
+    """A worker's error (one line, exit 2) or a stop (128 + the signal, saying what the next call does)."""
+    if errors:
+        raise SystemExit(f"error: benchmarks.tune: {errors[0]}")
+    print(f"stopped by {signal.Signals(stopped_by[0]).name}: {stopped}", file=sys.stderr)
+    return 128 + stopped_by[0]
 
 
 def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
@@ -279,7 +286,7 @@ def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra:
     lock = threading.Lock()
     (out / "runs").mkdir(parents=True, exist_ok=True)
 
-    def work() -> None:
+    def work() -> None:  # one thread: take the next run until none is left, a failure or a stop
         while not stop.is_set():
             with lock:
                 if not jobs:
@@ -297,12 +304,7 @@ def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra:
                 stop.set()
                 return
 
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):  # joined with a timeout, so that signals reach forward()
-        for t in threads:
-            t.join(0.2)
+    on_threads(workers, work)
 
 
 def report(named: list[str], specs: tuple[str, ...], args: Options, tuning: Tuning) -> int:
