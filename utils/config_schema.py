@@ -61,8 +61,9 @@ def _copy(value: Any) -> Any:
 @dataclass
 class ModelConfig:
     section("model")
-    name: str = _f("microllama-tiny", "Model preset (microllama-tiny, microllama-mini, microllama-300m, bert-tiny), "
-                   "a local model directory, or a Hugging Face id such as keeeeenw/MicroLlama.")
+    name: str = _f("microllama-tiny", "Model preset (microllama-nano, microllama-tiny, microllama-mini, "
+                   "microllama-300m, bert-tiny), a local model directory, or a Hugging Face id such as "
+                   "keeeeenw/MicroLlama.")
     pretrained: bool = _f(False, "Load pretrained weights (local directory or HF cache, offline-safe) "
                           "instead of initialising from the config with training_seed.")
 
