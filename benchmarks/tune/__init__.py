@@ -56,7 +56,7 @@ class Tuning:
     storage: str
     tuning_seed: int
     tuned_only: bool = False  # the finalists without their untuned selves
-    untuned: tuple[str, ...] = ()  # DIR:V1,V2,...: reports holding untuned runs of these variants
+    untuned: tuple[tuple[Path, list[str]], ...] = ()  # --untuned DIR:V1,V2,...: reports holding these untuned runs
 
 
 def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
@@ -74,16 +74,16 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
     p.add_argument("--untuned", action="append", default=[], help="with --seeds, DIR:V1,V2,...: a finished report of "
                    "the same regime whose runs of these variants are the untuned ones (not run again here; repeatable)")
     values = vars(p.parse_args(argv))
-    tuning = Tuning(*(values.pop(k) for k in ("trials", "workers", "storage", "tuning_seed", "tuned_only",
-                                              "untuned")))
+    try:
+        sources = tuple(changed.parse_source(spec) for spec in values.pop("untuned"))
+    except UserError as exc:
+        p.error(str(exc))
+    tuning = Tuning(*(values.pop(k) for k in ("trials", "workers", "storage", "tuning_seed", "tuned_only")),
+                    untuned=sources)
     if tuning.trials < 1 or tuning.workers < 1:
         p.error("--trials and --workers must be at least 1")
     if not values["max_tokens"]:
         p.error("--max_tokens: give the token budget; every trial's objective is the metric at exactly that budget")
-    try:
-        sources = [changed.parse_source(spec) for spec in tuning.untuned]
-    except UserError as exc:
-        p.error(str(exc))
     for path, _ in sources:
         if not (path / "runs.csv").is_file():
             p.error(f"--untuned {path}: no runs.csv there (a finished report of benchmarks.compare)")
@@ -272,7 +272,7 @@ def finalist_variants(studies: dict[str, optuna.Study], chosen: dict[str, Varian
         specs.append(f"{name}_tuned={name}:" + " ".join(f"{k}={v}" for k, v in best.params.items()))
         print(f"{name}: best trial {best.number} (point {best.user_attrs['point']}): {best.value:.4g} at "
               + ", ".join(f"{k}={v}" for k, v in best.params.items()))
-    elsewhere = {name for _, names in map(changed.parse_source, tuning.untuned) for name in names}
+    elsewhere = {name for _, names in tuning.untuned for name in names}
     named = [name for name, v in chosen.items()  # --add_variant's come back by their own spec
              if v.group != "custom" and not tuning.tuned_only and name not in elsewhere]
     return named, tuple(specs)
@@ -312,6 +312,6 @@ def report(named: list[str], specs: tuple[str, ...], args: Options, tuning: Tuni
     code = compare(dataclasses.replace(args, variants=",".join(named), add_variant=(*args.add_variant, *specs)))
     if code == 0:
         where = Path(args.report_out) if args.report_out else Path(args.out)
-        changed.write(where, [changed.parse_source(spec) for spec in tuning.untuned])
+        changed.write(where, list(tuning.untuned))
         print(f"what tuning changed: {where / 'tuning_changed.csv'}")
     return code
