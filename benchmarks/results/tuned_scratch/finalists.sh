@@ -5,7 +5,7 @@
 # cpu_capability=avx2: the kernels of that report (its diloco_b4 seed 0 is reproduced bit for bit with them, not with
 # avx512), so that each tuned-minus-untuned pair differs only in its settings. Run from a worktree of main.
 cd /work/sweep_tree || exit 1
-exec /work/main/.venv/bin/python -m benchmarks.tune --config configs/compare_cpu.yaml --max_tokens 610427 --node_throughput 8360 \
+exec /work/main/.venv/bin/python -m benchmarks.tune --config configs/compare_cpu.yaml --max_tokens 610427 --target 600 --node_throughput 8360 \
   --variants adloco,adloco_paper,ddp,snoo,nesterov,diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16 \
   --diloco_batches 1,2,4,8,16 --trials 6 --workers ${WORKERS:-2} --seeds 5 \
   --storage /work/main/benchmarks/results/tuned_scratch/studies.journal --out /work/main/benchmarks/results/tuned_scratch \
