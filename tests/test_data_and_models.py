@@ -59,6 +59,15 @@ def test_microllama_300m_preset_is_the_real_size():
     assert model.config.num_key_value_heads == 4 and model.config.vocab_size == 32000
 
 
+def test_microllama_nano_preset_has_the_documented_size():
+    # docs/data_and_models.md and BENCHMARKS quote these counts (tokens per non-embedding parameter)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_preset("microllama-nano"))
+    n = sum(p.numel() for p in model.parameters())
+    embeddings = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
+    assert (n, n - embeddings) == (616_768, 92_480)
+
+
 def test_presets_build_seeded_and_identical(tiny_config):
     cfg = tiny_config()
     a, b = build_model(cfg, 512, 1), build_model(cfg, 512, 1)

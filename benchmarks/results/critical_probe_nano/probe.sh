@@ -5,9 +5,13 @@
 # budget), one seed, lr_inner 4.735e-3 (the from-scratch sweep's best for every plain-SGD DiLoCo batch; untuned
 # here), --max_outer_steps 600 (batch 1 needs 557 rounds of H = 10). The report's "critical batch along training"
 # section says whether it grows. A second call added b32 (17 rounds) and both AdLoCos at the same settings (their
-# own ETA and starting batches, the request cap at 32), reusing the five first runs. Run from a worktree of main.
-cd /work/sweep_tree || exit 1
-exec /work/main/.venv/bin/python -m benchmarks.compare --config configs/compare_cpu.yaml --seeds ${SEEDS:-1} \
+# own ETA and starting batches, the request cap at 32), reusing the five first runs.
+# ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (we ran a worktree of main,
+# so that commits during hours of runs change nothing that runs); OUT (default: this folder): where results land.
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+OUT=${OUT:-$ROOT/benchmarks/results/critical_probe_nano}
+cd "${TREE:-$ROOT}" || exit 1
+exec "$ROOT/.venv/bin/python" -m benchmarks.compare --config configs/compare_cpu.yaml --seeds ${SEEDS:-1} \
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
-  --variants diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32,adloco_paper,adloco --out /work/main/benchmarks/results/critical_probe_nano \
+  --variants diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32,adloco_paper,adloco --out "$OUT" \
   cpu_threads=1 cpu_capability=avx2 model_config.name=microllama-nano lr_inner=4.735e-3 max_requested_batch=32
