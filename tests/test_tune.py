@@ -14,7 +14,8 @@ from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import main as tune_main
-from benchmarks.tune.points import SEQUENCE_SEED, point_params, unit_point
+from benchmarks.tune.claims import open_storage, open_study
+from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, point_params, unit_point
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
 
@@ -194,6 +195,15 @@ def test_two_processes_share_one_study_and_never_run_a_point_twice(tmp_path, cac
     assert all(t.user_attrs.get("note", "").startswith("no point left") for t in trials if t not in done)
     assert sorted(p.name for p in (out / "trials" / "runs").iterdir() if p.is_dir()) == [
         f"diloco_b2_p{i}_seed1000" for i in range(3)]
+
+
+def test_a_study_is_created_once_in_a_journal_however_often_it_is_opened(tmp_path):
+    journal = tmp_path / "studies.journal"
+    sampler = PointSampler((LR_INNER,), {})
+    for _ in range(3):  # three calls of the tool on one journal
+        study = open_study("diloco_b2", open_storage(str(journal), tmp_path), "minimize", sampler)
+    assert study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert journal.read_text().count('"op_code":0') == 1  # one create record, not one per call
 
 
 def test_bad_tuning_options_are_refused_in_one_line(tmp_path, capsys):

@@ -40,7 +40,7 @@ from benchmarks.compare.reader import read_run, value_at
 from benchmarks.compare.runner import LIVE_CHILDREN, RunFailed, run_variant, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
 from benchmarks.tune import changed
-from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage
+from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage, open_study
 from benchmarks.tune.points import PointSampler, distributions
 from utils.config import load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = warm_start(args, out)
         storage = open_storage(tuning.storage, out)
         direction = "maximize" if base.dataset == "imdb" else "minimize"
-        studies = {name: optuna.create_study(study_name=name, storage=storage, direction=direction,
-                                             sampler=PointSampler(v.search, regimes[name]), load_if_exists=True)
+        studies = {name: open_study(name, storage, direction, PointSampler(v.search, regimes[name]))
                    for name, v in chosen.items()}
         threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
                       // tuning.workers)

@@ -41,6 +41,17 @@ def open_storage(url: str, out: Path) -> optuna.storages.BaseStorage:
     return optuna.storages.RDBStorage(url, engine_kwargs=engine)
 
 
+def open_study(name: str, storage: optuna.storages.BaseStorage, direction: str,
+               sampler: optuna.samplers.BaseSampler) -> optuna.Study:
+    """One variant's study, created only when the storage lacks it: create_study(load_if_exists=True) would append a
+    create record to a journal on every call, a line of noise per study per call."""
+    try:
+        return optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+    except KeyError:  # absent; another process may create it first, hence load_if_exists
+        return optuna.create_study(study_name=name, storage=storage, direction=direction, sampler=sampler,
+                                   load_if_exists=True)
+
+
 def owner_gone(trial: FrozenTrial, now: float) -> bool:
     """A trial in flight whose owner is dead (this host) or silent for GRACE_S (any host)."""
     attrs = trial.user_attrs
