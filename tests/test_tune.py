@@ -2,6 +2,7 @@
 are never run twice, one study shared by two processes; every trial a real run.py run on a tiny config."""
 
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def finalists_without_their_untuned_selves(out, cache_dir, best, monkeypatch):
     assert load_config(out / "runs" / "diloco_b2_tuned_seed0" / "config.yaml").lr_inner == best.params["lr_inner"]
     tuned = {int(r["seed"]): float(r["at_budget"]) for r in csv.DictReader((out / "runs.csv").open())}
     (row,) = list(csv.DictReader((out / "tuning_changed.csv").open()))
-    assert (row["variant"], row["untuned_from"], row["pairs"]) == ("diloco_b2", str(untuned), "2")
+    assert (row["variant"], row["untuned_from"], row["pairs"]) == ("diloco_b2", os.path.relpath(untuned, out), "2")
     assert float(row["mean_difference"]) == pytest.approx((tuned[0] - 900 + tuned[1] - 1000) / 2)
     assert "## What tuning changed" in (out / "comparison.md").read_text()
 
@@ -163,7 +164,7 @@ def test_what_tuning_changed_pairs_seeds_and_refuses_other_budgets(tmp_path):
     other = report("other", 100, [("a", 0, 20), ("a", 1, 20), ("a", 2, 23), ("a", 3, 99)])
     found = {r["variant"]: r for r in rows(tuned, [(other, ["a"])])}
     a = found["a"]  # differences -10, -8, -12 (seed 3 has no pair): mean -10, sd 2, t(0.975, 2) = 4.303
-    assert (a["untuned_from"], a["pairs"], a["untuned_mean"], a["tuned_mean"]) == (str(other), 3, 21, 11)
+    assert (a["untuned_from"], a["pairs"], a["untuned_mean"], a["tuned_mean"]) == ("../other", 3, 21, 11)
     assert a["mean_difference"] == -10 and a["ci95_low"] == pytest.approx(-10 - 4.303 * 2 / math.sqrt(3))
     assert not a["interval_contains_0"]
     assert (found["b"]["untuned_from"], found["b"]["mean_difference"]) == ("this report", -1.5)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 from pathlib import Path
 
@@ -75,11 +76,17 @@ def rows(tuned: Path, sources: list[tuple[Path, list[str]]]) -> list[dict]:
         seeds = sorted(set(mine[name]) & set(untuned))
         diffs = [mine[name][s] - untuned[s] for s in seeds]
         mean, low, high = paired_interval(diffs) if diffs else (float("nan"),) * 3
-        out.append({"variant": base, "untuned_from": "this report" if path == tuned else str(path),
+        out.append({"variant": base, "untuned_from": "this report" if path == tuned else from_report(tuned, path),
                     "pairs": len(seeds), "untuned_mean": statistics.mean(untuned[s] for s in seeds),
                     "tuned_mean": statistics.mean(mine[name][s] for s in seeds), "mean_difference": mean,
                     "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high})
     return out
+
+
+def from_report(tuned: Path, path: Path) -> str:
+    """Another report's folder as seen from the tuned one (../compare_paper): a committed table names no machine's
+    absolute paths, and the link still resolves in any checkout."""
+    return os.path.relpath(path.resolve(), tuned.resolve())
 
 
 COLUMNS = ["variant", "untuned_from", "pairs", "untuned_mean", "tuned_mean", "mean_difference", "ci95_low",
@@ -96,8 +103,9 @@ def write(tuned: Path, sources: list[tuple[Path, list[str]]]) -> list[dict]:
     section = [HEADING, "",
                "Each tuned finalist (VARIANT_tuned: its study's best trial) against the same variant untuned, seed "
                "by seed, at the token budget: tuned - untuned, paired t 95% interval (below 0: tuning lowered the "
-               "metric). untuned_from: where the untuned runs come from (another report: the same config, seeds "
-               "paired by number).", "", *table([{c: r.get(c, "") for c in COLUMNS} for r in found], COLUMNS), ""]
+               "metric). untuned_from: where the untuned runs come from (another report, relative to this one's "
+               "folder: the same config, seeds paired by number).", "",
+               *table([{c: r.get(c, "") for c in COLUMNS} for r in found], COLUMNS), ""]
     md = tuned / "comparison.md"
     text = md.read_text() if md.exists() else ""
     text = text.split(f"\n{HEADING}\n")[0].rstrip("\n") + "\n\n" if HEADING in text else text
