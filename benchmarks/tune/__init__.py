@@ -39,7 +39,6 @@ from benchmarks.compare.options import Options, build_parser
 from benchmarks.compare.reader import read_run, value_at
 from benchmarks.compare.runner import LIVE_CHILDREN, RunFailed, run_variant, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
-from benchmarks.tune import changed
 from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage, open_study
 from benchmarks.tune.points import PointSampler, distributions
 from utils.config import load_config
@@ -74,6 +73,9 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
     p.add_argument("--untuned", action="append", default=[], help="with --seeds, DIR:V1,V2,...: a finished report of "
                    "the same regime whose runs of these variants are the untuned ones (not run again here; repeatable)")
     values = vars(p.parse_args(argv))
+    # imported here, not at the top: `python -m benchmarks.tune.changed` would otherwise import it twice (runpy warns)
+    from benchmarks.tune import changed
+
     try:
         sources = tuple(changed.parse_source(spec) for spec in values.pop("untuned"))
     except UserError as exc:
@@ -310,6 +312,8 @@ def report(named: list[str], specs: tuple[str, ...], args: Options, tuning: Tuni
     """The harness's report over the finalists (every run reused), and what tuning changed (changed.py)."""
     code = compare(dataclasses.replace(args, variants=",".join(named), add_variant=(*args.add_variant, *specs)))
     if code == 0:
+        from benchmarks.tune import changed
+
         where = Path(args.report_out) if args.report_out else Path(args.out)
         changed.write(where, list(tuning.untuned))
         print(f"what tuning changed: {where / 'tuning_changed.csv'}")
