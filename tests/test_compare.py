@@ -308,10 +308,12 @@ def test_the_harness_never_clears_a_directory_a_live_run_holds(tmp_path, cache_d
         lock.release()
 
 
-def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resumes(tmp_path, cache_dir, capsys):
+def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resumes(tmp_path, cache_dir, capsys,
+                                                                                   monkeypatch):
     """A Ctrl-C at the terminal (SIGINT to the whole foreground group): the harness passes it to the running
-    variant once, which checkpoints and stops; no orphan keeps training; the same command resumes that run from its
-    checkpoint rather than training it again."""
+    variant once, which checkpoints and stops; no orphan keeps training; a stop that lands as the next call resumes
+    it keeps the checkpoint and starts nothing; the call after resumes that run from its checkpoint rather than
+    training it again."""
     import os
     import signal
     import subprocess
@@ -340,6 +342,26 @@ def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resu
     status = json.loads((out / "runs" / "diloco_b2_seed0" / "status.json").read_text())
     assert status["state"] == "stopped" and status["signal"] == "SIGINT" and status["resumable"]
     stopped_at = status["outer_step"]
+
+    from benchmarks.compare import runner
+
+    real, started = runner.run_child, []
+
+    def stopped_as_it_starts(cmd, log, **kw):  # benchmarks.tune's handler, landing as the resume starts
+        runner.stop_children(signal.SIGTERM)
+        started.append(cmd)
+        return real(cmd, log, **kw)
+
+    monkeypatch.setattr(runner, "run_child", stopped_as_it_starts)
+    try:
+        with pytest.raises(SystemExit, match="diloco_b2_seed0 was stopped while it resumed"):
+            compare_main(args)
+    finally:
+        runner.allow_children()
+    assert len(started) == 1 and "--resume" in started[0]  # no run from scratch after the stop
+    assert json.loads((out / "runs" / "diloco_b2_seed0" / "status.json").read_text()) == status
+    assert os.path.isdir(status["checkpoint"])
+    monkeypatch.setattr(runner, "run_child", real)
     assert compare_main(args) == 0
     assert f"diloco_b2_seed0: resuming the stopped run in {out / 'runs' / 'diloco_b2_seed0'}" in capsys.readouterr().out
     said = (out / "runs" / "diloco_b2_seed0.out").read_text()  # the stopped run's log, then the resumed one's

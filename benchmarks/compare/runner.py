@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
@@ -75,18 +76,40 @@ def clear_run_dir(run_dir: Path) -> None:
 
 
 # the run.py children alive now: a tool whose children run in worker threads (benchmarks.tune), where no
-# signal arrives as an exception, forwards its signal to them from the main thread
+# signal arrives as an exception, forwards its signal to them from the main thread (stop_children); after that no
+# child starts, so a stop that lands between two children (a resume that failed, the next trial) is not lost
 LIVE_CHILDREN: set[subprocess.Popen] = set()
+STOPPED_BY: list[int] = []
+CHILDREN_LOCK = threading.RLock()  # re-entrant: the signal handler may interrupt the main thread inside run_child
+
+
+def stop_children(signum: int) -> None:
+    """Forward a stop to every live child, once, and start no child after it (benchmarks.tune's signal handler)."""
+    with CHILDREN_LOCK:
+        STOPPED_BY.append(signum)
+        for child in list(LIVE_CHILDREN):
+            child.send_signal(signum)
+
+
+def allow_children() -> None:
+    """A new call of the tool (in the same process, as tests do): children may start again."""
+    with CHILDREN_LOCK:
+        STOPPED_BY.clear()
 
 
 def run_child(cmd: list[str], log_path: Path, append: bool = False) -> int:
     """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal once (it
-    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training. The child has a session of its own:
-    a Ctrl-C at the terminal reaches the harness alone, which passes it on, rather than both (a second signal would
-    make the child exit without its checkpoint)."""
+    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training; once stopped, no child starts (the
+    exit code is then 128 + the signal, as a stopped child's). The child has a session of its own: a Ctrl-C at the
+    terminal reaches the harness alone, which passes it on, rather than both (a second signal would make the child
+    exit without its checkpoint)."""
     with log_path.open("a" if append else "w") as log_file:
-        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        LIVE_CHILDREN.add(child)
+        with CHILDREN_LOCK:
+            if STOPPED_BY:
+                return 128 + STOPPED_BY[0]
+            child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+            LIVE_CHILDREN.add(child)
         try:
             return child.wait()
         except BaseException as exc:
@@ -161,8 +184,11 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
         print(f"{run_name}: resuming the stopped run in {run_dir} from its checkpoint (outer step "
               f"{status.get('outer_step')})")
         log = out / "runs" / f"{run_name}.out"
-        if run_child([sys.executable, str(ROOT / "run.py"), "--resume", str(run_dir)], log, append=True) == 0:
+        code = run_child([sys.executable, str(ROOT / "run.py"), "--resume", str(run_dir)], log, append=True)
+        if code == 0:
             return run_dir, None
+        if code >= 128 or STOPPED_BY:  # stopped again (its checkpoint kept for the next call), not a failed resume
+            raise RunFailed(code, f"{run_name} was stopped while it resumed; the next call resumes it again")
         print(f"{run_name}: it did not resume (see {log}); running it again")
     if run_dir.exists():
         clear_run_dir(run_dir)

@@ -37,7 +37,7 @@ from optuna.trial import TrialState
 from benchmarks.compare import compare
 from benchmarks.compare.options import Options, build_parser
 from benchmarks.compare.reader import read_run, value_at
-from benchmarks.compare.runner import LIVE_CHILDREN, RunFailed, run_variant, warm_start
+from benchmarks.compare.runner import RunFailed, allow_children, run_variant, stop_children, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
 from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage, open_study
 from benchmarks.tune.points import PointSampler, distributions
@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     def forward(signum, frame):  # the main thread: stop claiming, and stop the runs in flight (they checkpoint)
         stop.set()
         stopped_by.append(signum)
-        for child in list(LIVE_CHILDREN):
-            child.send_signal(signum)
+        stop_children(signum)
 
+    allow_children()
     previous = {s: signal.signal(s, forward) for s in STOPS}
     try:
         extra = warm_start(args, out)
