@@ -106,6 +106,9 @@ def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tm
     rows = (out / "trials.csv").read_text().splitlines()
     assert rows[0].startswith("variant,trial,point,state,objective,lr_inner")
     assert sum(",COMPLETE," in r for r in rows) == 3
+    # each finished trial's run directory, relative to the table's folder (no machine's path in a committed table)
+    assert {r.rsplit(",", 1)[1] for r in rows[1:] if ",COMPLETE," in r} == {
+        f"trials/runs/diloco_b2_p{p}_seed1000" for p in (0, 1, 2)}
     # a second call with the same --trials has nothing left to do; a larger one extends the same sequence
     assert tune_main(again_args) == 0
     assert len(trials_of(storage)) == len(trials)

@@ -260,7 +260,15 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], p
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
-                            t.user_attrs.get("note", ""), t.user_attrs.get("run_dir", "")])
+                            t.user_attrs.get("note", ""), shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
+
+
+def shown_from(run_dir: str, folder: Path) -> str:
+    """A trial's run directory relative to the table's folder when inside it: no machine's absolute path in a
+    committed table (the journal keeps the absolute one, which the tool reads)."""
+    if not run_dir or not Path(run_dir).resolve().is_relative_to(folder.resolve()):
+        return run_dir
+    return os.path.relpath(Path(run_dir).resolve(), folder.resolve())
 
 
 def finalist_variants(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning
