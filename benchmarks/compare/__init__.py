@@ -91,7 +91,7 @@ def compare(args: Options) -> int:
             del chosen[name]
     (out / "runs").mkdir(parents=True, exist_ok=True)
     extra = warm_start(args, out)
-    args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1])) if extra else "")
+    args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1]), out) if extra else "")
     if not args.max_tokens:
         # the budget: what AdLoCo itself consumes in the configured number of outer steps; that run stops where the
         # budget does, so it is reused below as AdLoCo seed 0 (runner.stops_where_asked)

@@ -248,6 +248,11 @@ def warm_start(args: Options, out: Path) -> list[str]:
     return [f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"]
 
 
-def shown(path: Path) -> str:
-    """A path as the report shows it: relative to the repository when inside it."""
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+def shown(path: Path, out: Path | None = None) -> str:
+    """A path as the report shows it: relative to the repository when inside it, else to the report's folder `out`
+    when inside that (a harness run from a worktree of the repository writing into another checkout)."""
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    if out is not None and path.is_relative_to(out.resolve()):
+        return f"{path.relative_to(out.resolve())} (in the report's folder)"
+    return str(path)
