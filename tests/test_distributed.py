@@ -572,3 +572,20 @@ def test_torchrun_ddp_and_snoo_equal_the_simulated_cluster(tmp_path, cache_dir, 
     assert got["bytes_sent_by_collectives"]["weights"] == got["weights_traffic_bytes"]
     nodes = [int(r["num_nodes"] or 0) for r in csv_rows(expected_dir, "training_log.csv")]
     assert expected["allreduce_bytes"] == sum(3 * 2 * (n - 1) * expected["gradient_bytes"] for n in nodes if n > 1)
+
+
+def test_ring_scaling_benchmark_measures_under_torchrun_the_bytes_the_accounting_gives(tmp_path):
+    """benchmarks.ring_scaling on 2 processes: every scheme's sync through the torchrun backend's own collectives,
+    each rank's counted bytes summed equal to the accounting (the tool exits 1 where they differ), priced at the
+    larger sizes too."""
+    from benchmarks.ring_scaling import SCHEMES, main
+
+    assert main(["--procs", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "ring_scaling.json").read_text())
+    measured = {r["scheme"]: r for r in rows if "measured_bytes_all_nodes" in r}
+    assert set(measured) == set(SCHEMES) and all(r["nodes"] == 2 for r in measured.values())
+    for r in measured.values():
+        assert r["measured_bytes_all_nodes"] == r["bytes_all_nodes"] > 0
+    # a ring of int8 shards sends about a quarter of fp32's bytes; top-k 2% far less
+    assert 0.24 < measured["int8"]["ratio_to_fp32"] < 0.27 and measured["topk"]["ratio_to_fp32"] < 0.1
+    assert {r["nodes"] for r in rows} == {2, 4, 8, 16, 64}
