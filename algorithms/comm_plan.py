@@ -37,6 +37,12 @@ class WireSizes:
                    4 * (gradient_numel + 1) if gradient_numel else 0)
 
 
+def gradient_samples(wanted: bool, within_node: bool, micro_batches: int) -> int:
+    """Gradient samples a node takes per round (CommPlan.grad_chunks; what the memory plan reserves): none unless
+    the batch test or the log wants statistics; one per chunk under the micro_batches estimator, else one."""
+    return 0 if not wanted else micro_batches if within_node else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class CommPlan:
     """How a round's communication travels. The defaults are a plain DiLoCo round: fp32 weights averaged, the

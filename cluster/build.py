@@ -14,7 +14,7 @@ import torch
 
 from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test
 from algorithms.clock import Clock, NodeSchedule, ThroughputCurve
-from algorithms.comm_plan import CommPlan, WireSizes
+from algorithms.comm_plan import CommPlan, WireSizes, gradient_samples
 from algorithms.network import describe, parse_network
 from algorithms.outer_sync import OuterSync
 from algorithms.policies import build_merge_policy
@@ -83,8 +83,8 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     within_node = cfg.variance_estimator == "micro_batches"
     precision = build_precision(cfg.precision)
     # gradient samples: for the batch test, or only for the log (log_batch_statistics); else none at all
-    wanted = policies.batch_test.uses_statistics or cfg.log_batch_statistics
-    grad_chunks = 0 if not wanted else cfg.variance_micro_batches if within_node else 1
+    grad_chunks = gradient_samples(policies.batch_test.uses_statistics or cfg.log_batch_statistics, within_node,
+                                   cfg.variance_micro_batches)
     resume_state = resume.resume_state() if resume is not None else None
     nodes = build_nodes(cfg, model, data, make_optimizer, precision, stop_event, resume_state, dist_env)
     initial = float_state(model)

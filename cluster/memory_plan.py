@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from algorithms.comm_plan import gradient_samples
 from cluster.max_batch_calculator import MiB, default_device_memory_mb, saved_bytes
 from cluster.placement import card_of, computing_per_device, master_device_of, use_threads
 from utils.config import Config
@@ -243,9 +244,8 @@ def statistics_sample_bytes(cfg: Config, trainable: int) -> int:
     test = build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
                             max_batch=cfg.max_requested_batch, start=cfg.initial_batch_size,
                             rampup_tokens=cfg.rampup_tokens or cfg.max_tokens)
-    if not (test.uses_statistics or cfg.log_batch_statistics):
-        return 0
-    chunks = cfg.variance_micro_batches if cfg.variance_estimator == "micro_batches" else 1
+    chunks = gradient_samples(test.uses_statistics or cfg.log_batch_statistics,
+                              cfg.variance_estimator == "micro_batches", cfg.variance_micro_batches)
     sample = cfg.statistics_sketch_dim * 8 if cfg.statistics_comm == "sketch" else trainable * 4
     return chunks * sample
 

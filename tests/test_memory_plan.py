@@ -54,6 +54,25 @@ def test_the_plans_bytes_are_the_tensors_of_a_real_node():
     assert real <= sizes.activation_bytes_per_sequence <= 1.2 * real
 
 
+def test_the_statistics_reserved_are_the_samples_the_cluster_takes_by_hand():
+    """One rule for a node's gradient samples (algorithms.comm_plan.gradient_samples), read by build_cluster's plan
+    and by the memory plan: fp32 samples of every trainable parameter, or the fp64 sketch; none without statistics."""
+    from algorithms.comm_plan import gradient_samples
+    from cluster.memory_plan import statistics_sample_bytes
+
+    assert [gradient_samples(False, True, 4), gradient_samples(True, True, 4), gradient_samples(True, False, 4)] == [
+        0, 4, 1]
+    base = load_config(ROOT / "config.yaml", ["sampling_method=norm_test", "variance_estimator=micro_batches",
+                                              "variance_micro_batches=4"])
+    assert statistics_sample_bytes(base, 1000) == 4 * 1000 * 4
+    assert statistics_sample_bytes(base.replace(variance_estimator="nodes"), 1000) == 1000 * 4
+    sketched = base.replace(statistics_comm="sketch", statistics_sketch_dim=64)
+    assert statistics_sample_bytes(sketched, 1000) == 4 * 64 * 8
+    constant = base.replace(sampling_method="constant", log_batch_statistics=False)
+    assert statistics_sample_bytes(constant, 1000) == 0
+    assert statistics_sample_bytes(constant.replace(log_batch_statistics=True), 1000) == 4 * 1000 * 4
+
+
 def test_the_plan_adds_up_by_hand():
     """16 nodes on one card, 4 simulated devices, 4 trainers, masters on the card: every term by hand."""
     cfg = load_config(ROOT / "configs" / "paper_microllama_c4_16nodes.yaml")
