@@ -1,6 +1,7 @@
 """The tuning engine (benchmarks.tune): the same quasi-random points for every method, trials that survive a stop and
 are never run twice, one study shared by two processes; every trial a real run.py run on a tiny config."""
 
+import csv
 import math
 import os
 import signal
@@ -15,6 +16,7 @@ from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import main as tune_main
+from benchmarks.tune import write_trials
 from benchmarks.tune.claims import open_storage, open_study
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, point_params, unit_point
 from tests.conftest import ROOT, TINY
@@ -208,6 +210,27 @@ def test_a_study_is_created_once_in_a_journal_however_often_it_is_opened(tmp_pat
         study = open_study("diloco_b2", open_storage(str(journal), tmp_path), "minimize", sampler)
     assert study.direction == optuna.study.StudyDirection.MINIMIZE
     assert journal.read_text().count('"op_code":0') == 1  # one create record, not one per call
+
+
+def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):
+    # a call naming a subset of the variants (finalists run first for a few) rewrites trials.csv: the rows of the
+    # storage's other studies stay (they were lost once, the table holding only the call's variants)
+    storage = open_storage(str(tmp_path / "studies.journal"), tmp_path)
+    lr = optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
+    eta = optuna.distributions.FloatDistribution(0.4, 0.9)
+    for name, params, value in (("adloco", {"lr_inner": 1e-3, "ETA": 0.7}, 300.0),
+                                ("diloco_b2", {"lr_inner": 2e-3}, 250.0)):
+        study = open_study(name, storage, "minimize", PointSampler((LR_INNER,), {}))
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={"lr_inner": lr, "ETA": eta} if "ETA" in params else {"lr_inner": lr},
+            value=value, user_attrs={"point": 0, "run_dir": str(tmp_path / "trials" / "runs" / f"{name}_p0")}))
+    known = catalogue(load_config(str(ROOT / "config.yaml"), TINY), [2], 0.5)
+    named = {"diloco_b2": optuna.load_study(study_name="diloco_b2", storage=storage)}
+    write_trials(named, {"diloco_b2": known["diloco_b2"]}, storage, tmp_path / "trials.csv")
+    rows = list(csv.DictReader((tmp_path / "trials.csv").open()))
+    assert [(r["variant"], r["objective"], r["lr_inner"], r["ETA"]) for r in rows] == [
+        ("diloco_b2", "250.0", "0.002", ""), ("adloco", "300.0", "0.001", "0.7")]
+    assert rows[1]["run_dir"] == os.path.join("trials", "runs", "adloco_p0")  # relative, as the call's own rows
 
 
 def test_bad_tuning_options_are_refused_in_one_line(tmp_path, capsys):

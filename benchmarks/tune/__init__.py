@@ -13,7 +13,8 @@ smarter search. --trials N is how many finished trials each study should hold: a
 run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at once here,
 each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on several
 machines (claims.py says how).
-The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory)
+The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory; every
+study in the storage, so a call naming a few variants keeps the others' rows)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
 (changed.py: tuning_changed.csv); --untuned DIR:V1,... takes untuned runs from a finished report instead, and
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         trial_args = args if given else dataclasses.replace(args, overrides=(*args.overrides, f"cpu_threads={threads}"))
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
-        write_trials(studies, chosen, out / "trials.csv")
+        write_trials(studies, chosen, storage, out / "trials.csv")
         if errors or stopped_by:
             return ended(errors, stopped_by, "the trials in flight were stopped and marked failed; run the same "
                          "command again to go on (finished trials are kept)")
@@ -251,12 +252,20 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             study.tell(trial, value)
 
 
-def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], path: Path) -> None:
-    keys = list(dict.fromkeys(k.key for v in chosen.values() for k in v.search))
+def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], storage: optuna.storages.BaseStorage,
+                 path: Path) -> None:
+    """Every study in the storage, this call's first (in its order), then the others: a call that names some
+    variants keeps the rows of the rest (the table is the storage's, not the call's)."""
+    others = {name: optuna.load_study(study_name=name, storage=storage)
+              for name in optuna.get_all_study_names(storage) if name not in studies}
+    every = {**studies, **others}
+    keys = list(dict.fromkeys([*(k.key for v in chosen.values() for k in v.search),
+                               *(key for study in others.values() for t in study.get_trials(deepcopy=False)
+                                 for key in t.params)]))
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "trial", "point", "state", "objective", *keys, "note", "run_dir"])
-        for name, study in studies.items():
+        for name, study in every.items():
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
