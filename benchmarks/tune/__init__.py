@@ -38,7 +38,7 @@ from optuna.trial import TrialState
 from benchmarks.compare import compare
 from benchmarks.compare.options import Options, build_parser
 from benchmarks.compare.reader import read_run, value_at
-from benchmarks.compare.runner import RunFailed, allow_children, run_variant, stop_children, warm_start
+from benchmarks.compare.runner import STOPPED_BY, RunFailed, allow_children, run_variant, stop_children, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
 from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage, open_study
 from benchmarks.tune.points import PointSampler, distributions
@@ -109,11 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     regimes = checked_regimes(args, chosen)
     (out / "trials" / "runs").mkdir(parents=True, exist_ok=True)  # only once the input is known good
     stop = threading.Event()
-    stopped_by: list[int] = []
 
-    def forward(signum, frame):  # the main thread: stop claiming, and stop the runs in flight (they checkpoint)
+    def forward(signum, frame):  # the main thread: stop claiming, and stop the runs in flight (they checkpoint);
+        # the runner records the signal (STOPPED_BY), the one record of a stop
         stop.set()
-        stopped_by.append(signum)
         stop_children(signum)
 
     allow_children()
@@ -131,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
         write_trials(studies, chosen, storage, out / "trials.csv")
-        if errors or stopped_by:
-            return ended(errors, stopped_by, "the trials in flight were stopped and marked failed; run the same "
+        if errors or STOPPED_BY:
+            return ended(errors, STOPPED_BY, "the trials in flight were stopped and marked failed; run the same "
                          "command again to go on (finished trials are kept)")
         # a point neither finished nor free is in flight in another process (this one ran until none was free)
         missing = {name: free_points(study, tuning.trials, in_flight=True) for name, study in studies.items()}
@@ -149,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = {**{n: v for n, v in chosen.items() if n in named or v.group == "custom"},  # --add_variant's: always
                 **custom(specs, chosen)}
         run_finalists(runs, trial_args, out, extra, tuning.workers, stop, errors)
-        if errors or stopped_by:
-            return ended(errors, stopped_by, "the finalists' runs in flight were stopped; run the same command again "
+        if errors or STOPPED_BY:
+            return ended(errors, STOPPED_BY, "the finalists' runs in flight were stopped; run the same command again "
                          "to go on (finished runs are reused, stopped ones resume)")
         for s in STOPS:
             signal.signal(s, raise_interrupted)
