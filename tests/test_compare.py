@@ -79,13 +79,16 @@ def test_the_critical_batch_along_training_per_sweep():
     assert added["diloco_b4_tuned"].constant_batch == 4 and known["diloco_nesterov_b2"].constant_batch == 2
 
 
+BROKEN = "broken=diloco_b2:inject_fault=2:0:nan"  # diverges in round 2 (a NaN loss on node 0): a training fault
+
+
 def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     out = tmp_path / "compare"
     rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "3000",
                        "--max_outer_steps", "40", "--diloco_batches", "2,4", "--out", str(out), *SMALL,
                        f"cache_dir={cache_dir}", "merge_frequency=1", "initial_batch_size=3", "max_batch_size=2",
                        "ETA=0.3", "max_requested_batch=6", "--network", "lab=1Gbit/s,1ms", "--network", "consumer",
-                       "--add_variant", "mine=adloco_paper:ETA=0.5 merge_frequency=1"])
+                       "--add_variant", "mine=adloco_paper:ETA=0.5 merge_frequency=1", "--add_variant", BROKEN])
     assert rc == 0
     table = {r["variant"]: r for r in read_csv(out / "comparison.csv")}
     assert set(table) == {"adloco", "adloco_paper", "adloco_no_adaptive", "adloco_no_merge", "adloco_no_switch",
@@ -129,7 +132,13 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     per_seed = read_csv(out / "runs.csv")  # one row per variant and seed, with its value at the token budget
     assert sorted((r["variant"], r["seed"]) for r in per_seed) == sorted((v, "0") for v in table)
     assert all(r["reached_budget"] == "True" and float(r["tokens"]) >= 3000 for r in per_seed)
+    # a run that diverges (inject_fault: a NaN loss in round 2) is an outcome, not the harness's failure: listed
+    # apart, left out of every table, the report still written
+    (fault,) = read_csv(out / "faults.csv")
+    assert (fault["variant"], fault["seed"], fault["last_good_step"]) == ("broken", "0", "1")
+    assert "non-finite loss" in fault["error"] and float(fault["tokens"]) > 0
     report = (out / "comparison.md").read_text()
+    assert "## Runs that stopped on a training fault" in report
     for heading in ("## Final models", "## To the target", "## Per seed, paired", "matched budget of 3000 tokens",
                     "rounds (outer steps)",
                     "syncs (cross-node", "bytes communicated", "## Merges"):
@@ -190,13 +199,16 @@ def network_model_is_checked(out, table, report, tmp_path, cache_dir):
     for heading in ("## Predicted wall time on a network", "### lab (1 Gbit/s, 1 ms)", "### consumer", "### Crossover"):
         assert heading in report, heading
     assert (out / "val_perplexity_vs_predicted_time.png").is_file() and (out / "crossover_bandwidth.png").is_file()
-    # another view of the same finished runs (no run repeats), written beside the report, not over it
+    # another view of the same finished runs (no run repeats, the diverged one neither), beside the report
     view = tmp_path / "fast_nodes"
+    broken_log = (out / "runs" / "broken_seed0.out").stat().st_mtime
     assert compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "3000",
                          "--max_outer_steps", "40", "--diloco_batches", "2,4", "--out", str(out), *SMALL,
                          f"cache_dir={cache_dir}", "merge_frequency=1", "initial_batch_size=3", "max_batch_size=2",
                          "ETA=0.3", "max_requested_batch=6", "--network", "datacentre", "--node_throughput", "1e9",
-                         "--report_out", str(view)]) == 0
+                         "--add_variant", BROKEN, "--report_out", str(view)]) == 0
+    assert (out / "runs" / "broken_seed0.out").stat().st_mtime == broken_log
+    assert read_csv(view / "faults.csv") == read_csv(out / "faults.csv")
     assert read_csv(out / "network.csv") == network  # the report in --out is untouched
     fast = read_csv(view / "network.csv")
     assert {r["network"] for r in fast} == {"datacentre"}
@@ -585,6 +597,9 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
                                                               (4000, 40, 8.0, 100 * (1 + s / 10))]) for s in (0, 1)],
         "adloco_paper": [fake_run(tmp_path, "adloco_paper", s, 1, [(4000, 40, 4.0, 500)]) for s in (0, 1)],
         "diloco_b4": [fake_run(tmp_path, "diloco_b4", s, 4, [(4000, 10, 2.0, 80 + s)]) for s in (0, 1)]}
+    # a variant whose seed 0 stopped on a training fault: its rows keep the seeds' own numbers
+    gap = {"diloco_b8": [{**fake_run(tmp_path, "diloco_b8", 1, 8, [(4000, 5, 1.0, 95)]), "seed": 1}]}
+    assert [r["seed"] for r in seeds.run_rows(gap, 4000, {}, False)] == [1]
     targets = seeds.paper_targets(results["diloco_b2"], 4000, higher=False)
     assert targets == pytest.approx({"early": 440.0, "middle": 220.0, "late": 110.0})  # every seed reached them
     lines = seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path)

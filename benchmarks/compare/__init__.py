@@ -23,7 +23,7 @@ from algorithms.clock import ThroughputCurve  # noqa: E402
 from benchmarks.compare.options import Options, build_parser, cluster_overrides, parse_networks  # noqa: E402
 from benchmarks.compare.reader import first_reaching, ran_shapes, read_run, value_at  # noqa: E402
 from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
-from benchmarks.compare.runner import run_variant, shown, warm_start  # noqa: E402
+from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_start  # noqa: E402
 from benchmarks.compare.variants import (  # noqa: E402
     CLUSTER_VARIANTS,
     COMMUNICATION_VARIANTS,
@@ -102,12 +102,22 @@ def compare(args: Options) -> int:
         args = dataclasses.replace(args, max_tokens=first["curve"][-1]["tokens"])
         print(f"token budget: {args.max_tokens} tokens (AdLoCo, {steps} outer steps, seed 0)")
     results: dict[str, list[dict]] = {}
+    faults: list[dict] = []  # runs that stopped on a training fault (diverged): an outcome, reported apart
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
-        run = read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
-        results.setdefault(name, []).append({**run, "family": chosen[name].family,
+        try:
+            run = read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
+        except RunFailed as exc:
+            if not exc.training_fault:
+                raise
+            faults.append(fault_row(name, seed, out / "runs" / f"{name}_seed{seed}"))
+            print(f"{name} seed {seed}: {faults[-1]['error']}; reported among the faults, its other seeds without it")
+            continue
+        results.setdefault(name, []).append({**run, "seed": seed, "family": chosen[name].family,
                                              "constant_batch": chosen[name].constant_batch})
+    if not results:
+        raise SystemExit("error: every run stopped on a training fault (see each run's status.json); no report")
     report_out = Path(args.report_out) if args.report_out else out
     report_out.mkdir(parents=True, exist_ok=True)
-    print(write_outputs(summarise(results, base, args), results, args, report_out))
+    print(write_outputs(summarise(results, base, args), results, args, report_out, faults))
     return 0

@@ -61,7 +61,8 @@ tokenizer) on the --config data.
 Outputs in --out: comparison.md (every table), comparison.csv (one row per variant), runs.csv (one row per
 variant and seed: the metric at the token budget, final, best seen, steps / tokens / simulated time to the
 paper's three targets, bytes and their parts, largest requested batch, merges), budgets.csv (the metric at
-matched budgets), merges.csv (every merge of every run) and plots of the metric against
+matched budgets), merges.csv (every merge of every run), faults.csv (runs that stopped on a training fault,
+such as a divergence: an outcome, listed apart and left out of every other table) and plots of the metric against
 rounds, syncs, bytes, tokens and wall time. Reported per run: the real final model (summary.json's
 final_metric, the model in model_weights/final) and, separately, the best metric seen during the run.
 
@@ -158,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(ROOT / "logs" / "compare"),
                    help="runs and report (default logs/compare, outside the committed results; BENCHMARKS.md's "
                         "commands name benchmarks/results/... explicitly)")
-    p.add_argument("--rerun", action="store_true", help="redo runs that already finished")
+    p.add_argument("--rerun", action="store_true", help="redo runs that already finished (or stopped on a training "
+                   "fault)")
     p.add_argument("--report_out", default="",
                    help="write the tables and plots here instead of --out (the runs stay in --out/runs): another "
                         "view of finished runs, e.g. on other --network settings, without overwriting the report")

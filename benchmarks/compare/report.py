@@ -118,7 +118,29 @@ def plot(results: dict[str, list[dict]], metric: str, out: Path) -> list[Path]:
     return paths
 
 
-def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
+FAULT_COLUMNS = ["variant", "seed", "last_good_step", "tokens", "error"]
+
+
+def fault_section(faults: list[dict] | tuple) -> list[str]:
+    """The runs that stopped on a training fault (a non-finite loss: diverged), first, since every table below
+    leaves them out: a variant's figures are over its other seeds, and its pairs over the seeds both finished."""
+    if not faults:
+        return []
+    return ["## Runs that stopped on a training fault (faults.csv)", "",
+            f"{len(faults)} run(s) stopped on a training fault: an outcome of the method at that seed (the same "
+            "config and seed fault again, so they are not re-run). Every table below leaves them out: those "
+            "variants' means are over their other seeds, and paired intervals over the seeds both sides finished. "
+            "A variant's mean that reads well may hide a seed that diverged: read this table with it.", "",
+            *table(list(faults), FAULT_COLUMNS), ""]
+
+
+def write_outputs(report: dict, results: dict, args: Options, out: Path, faults: list[dict] | tuple = ()) -> str:
+    """comparison.md and its CSV files. faults: runs that stopped on a training fault (runner.fault_row), listed in
+    faults.csv and their own section; every other table is over each variant's seeds that finished."""
+    with (out / "faults.csv").open("w", newline="") as f:  # written every time: no stale list from an earlier call
+        w = csv.DictWriter(f, fieldnames=FAULT_COLUMNS)
+        w.writeheader()
+        w.writerows(faults)
     with (out / "comparison.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(report["main"][0]))
         w.writeheader()
@@ -131,15 +153,17 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path) -> str:
         w = csv.writer(f)
         w.writerow(["variant", "seed", "metric_before", "metric_weighted_before", "metric_after"])
         for name, runs in results.items():
-            for seed, r in enumerate(runs):
+            for i, r in enumerate(runs):
                 for m in r["merges"]:
-                    w.writerow([name, seed, " ".join(f"{v:.6g}" for v in m["before"]), m["weighted"], m["after"]])
+                    w.writerow([name, r.get("seed", i), " ".join(f"{v:.6g}" for v in m["before"]), m["weighted"],
+                                m["after"]])
     metric = report["metric"]
     warm = f"; warm start: {args.warm_from}" if args.warm_from else ""
     lines = [f"# AdLoCo comparison ({datetime.now():%Y-%m-%d})", "",
              f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
              f"{args.max_tokens}{warm}; target {metric}: {report['target']:.4g} "
              f"({'given' if args.target else report['reference'] + ' final mean'}).", "",
+             *fault_section(faults),
              *(cluster_sections(results, metric, report["target"], args) if args.cluster else []),
              f"## Final models ({metric} of the real final model, mean and std over seeds; best seen during the run)",
              "", *table(report["main"], ["variant", "ran", "final_mean", "final_std", "best_seen_mean", "tokens",

@@ -15,7 +15,7 @@ from run_dir.run_config import load_run_config
 from run_dir.run_state import in_use, read_status
 from training_logs.records import TrainerRow, read_records
 from utils.config import WHERE_KEYS, Config, load_config
-from utils.errors import Interrupted
+from utils.errors import Interrupted, TrainingFault
 
 
 def resolved(config_path: str | Path, overrides: list[str]) -> dict:
@@ -178,6 +178,12 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
     status = read_status(run_dir) or {}
+    if status.get("state") == "fault" and not args.rerun and not config_changes(run_dir, resolved(args.config,
+                                                                                                    run_args)):
+        # it diverged (or hit another training fault) with this very config: the same seed does the same again, so
+        # the outcome is reused, not trained twice
+        raise RunFailed(TrainingFault.exit_code, f"variant {name} (seed {seed}) stopped on a training fault earlier, "
+                        f"with this config (reused, not run again; {run_dir / 'status.json'})")
     if status.get("state") == "stopped" and status.get("resumable") and not args.rerun and not config_changes(
             run_dir, resolved(args.config, run_args)):
         # stopped earlier (a signal to the harness, or to the run): go on from its checkpoint, exactly
@@ -210,9 +216,18 @@ class RunFailed(SystemExit):
 
     @property
     def training_fault(self) -> bool:
-        from utils.errors import TrainingFault
-
         return self.exit_code == TrainingFault.exit_code
+
+
+def fault_row(name: str, seed: int, run_dir: Path) -> dict:
+    """A run that stopped on a training fault, as the report lists it: where (the last good outer step and the
+    tokens seen by then) and why (status.json's error, without its checkpoint path)."""
+    status = read_status(run_dir) or {}
+    error = str(status.get("error") or "a training fault").removeprefix("error: ").split("; stopped")[0]
+    log = run_dir / "model_training_report" / "training_log.csv"
+    rows = read_records(log, TrainerRow) if log.is_file() else []
+    return {"variant": name, "seed": seed, "last_good_step": status.get("outer_step"),
+            "tokens": max((r.global_tokens or 0 for r in rows), default=0), "error": error}
 
 
 def warm_start(args: Options, out: Path) -> list[str]:

@@ -54,7 +54,8 @@ def run_rows(results: dict[str, list[dict]], budget: float, targets: dict[str, f
     """runs.csv: one row per variant and seed."""
     rows = []
     for name, runs in results.items():
-        for seed, r in enumerate(runs):
+        for i, r in enumerate(runs):
+            seed = r.get("seed", i)  # a run that stopped on a training fault leaves a gap in its variant's seeds
             at_budget, reached = value_at(r["curve"], "tokens", budget, log_scale=not higher)
             last = r["curve"][-1]
             row = {"variant": name, "seed": seed, "final": r["final"], "at_budget": at_budget,

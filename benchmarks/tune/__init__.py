@@ -298,7 +298,8 @@ def finalist_variants(studies: dict[str, optuna.Study], chosen: dict[str, Varian
 def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra: list[str], workers: int,
                   stop: threading.Event, errors: list[str]) -> None:
     """Every finalist run (variant x seed) on `workers` threads, each a run.py child, before the report, which then
-    reuses them all. A failed run stops the others (errors gets its line); a signal (forward) stops them too."""
+    reuses them all. A run that stops on a training fault (diverged) is an outcome: the report lists it. A run that
+    fails otherwise stops the others (errors gets its line); a signal (forward) stops them too."""
     jobs = [(name, v.overrides, seed) for name, v in variants.items() for seed in range(args.seeds)]
     lock = threading.Lock()
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -312,6 +313,9 @@ def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra:
             try:
                 run_variant(name, list(overrides), seed, args, out, extra)
             except RunFailed as exc:
+                if exc.training_fault and not stop.is_set():  # diverged: an outcome, which the report lists
+                    print(f"{name} seed {seed}: stopped on a training fault; the report lists it")
+                    continue
                 if not stop.is_set():
                     errors.append(str(exc))
                     stop.set()
