@@ -254,6 +254,11 @@ def test_a_diverged_run_is_a_finished_trial_and_a_crashed_run_stops_the_tool(tmp
     assert tune_main(tune_args(diverged, cache_dir, "--trials", "1", "inject_fault=1:0:nan")) == 0
     (row,) = list(csv.DictReader((diverged / "trials.csv").open()))
     assert row["state"] == "COMPLETE" and math.isinf(float(row["objective"])) and "exit 3" in row["note"]
+    # a finalist that diverges does not stop the finalists: the report gets it (here the only run: no report)
+    with pytest.raises(SystemExit, match="every run stopped on a training fault"):
+        tune_main(tune_args(diverged, cache_dir, "--trials", "1", "--seeds", "1", "--tuned_only",
+                            "inject_fault=1:0:nan"))
+    assert (diverged / "runs" / "diloco_b2_tuned_seed0" / "status.json").is_file()
     crashed = tmp_path / "crashed"
     with pytest.raises(SystemExit, match=r"error: benchmarks\.tune: RuntimeError: variant diloco_b2_p0 .*exit 1"):
         tune_main(tune_args(crashed, cache_dir, "--trials", "1", "inject_fault=1:0:crash"))
