@@ -178,14 +178,14 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
     status = read_status(run_dir) or {}
-    if status.get("state") == "fault" and not args.rerun and not config_changes(run_dir, resolved(args.config,
-                                                                                                    run_args)):
+    same = status.get("state") in ("fault", "stopped") and not args.rerun and not config_changes(
+        run_dir, resolved(args.config, run_args))  # an earlier run of this very config, ended before its budget
+    if same and status["state"] == "fault":
         # it diverged (or hit another training fault) with this very config: the same seed does the same again, so
         # the outcome is reused, not trained twice
         raise RunFailed(TrainingFault.exit_code, f"variant {name} (seed {seed}) stopped on a training fault earlier, "
                         f"with this config (reused, not run again; {run_dir / 'status.json'})")
-    if status.get("state") == "stopped" and status.get("resumable") and not args.rerun and not config_changes(
-            run_dir, resolved(args.config, run_args)):
+    if same and status["state"] == "stopped" and status.get("resumable"):
         # stopped earlier (a signal to the harness, or to the run): go on from its checkpoint, exactly
         print(f"{run_name}: resuming the stopped run in {run_dir} from its checkpoint (outer step "
               f"{status.get('outer_step')})")
