@@ -210,11 +210,12 @@ def with_rank(line: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 2 bad input, 3 training fault, 1 unexpected error, 130 / 143 stopped by a signal."""
-    from utils.signals import StopSignals
+    from utils.signals import StopSignals, stop_with_parent
 
     limit_openmp_spinning()  # before anything loads torch
     args = parse_args(argv)
     stop = StopSignals().install()  # from the start: a signal during set-up ends the process in one line too
+    stop_with_parent()  # a tool's child: its tool's death (SIGKILL included) stops it like SIGTERM
     try:
         if args.resume:
             run_dir = Path(args.resume).expanduser()

@@ -82,4 +82,6 @@ def report(args) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.errors import exit_on_input_error
+
+    sys.exit(exit_on_input_error(main))

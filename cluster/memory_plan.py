@@ -279,12 +279,14 @@ def idle_state_bytes(model: torch.nn.Module, make_optimizer) -> int:
     return weights + _optimizer_bytes(make_optimizer, [p for p in model.parameters() if p.requires_grad])
 
 
-def keys_that_fit(cfg: Config, capacity_gb: float | None = None) -> str:
-    """The overrides that would make a refused plan fit, the fewest first ("" if none of them would)."""
+def keys_that_fit(cfg: Config, capacity_gb: float | None = None, micro_batch: int | None = None) -> str:
+    """The overrides that would make a refused plan (at `micro_batch`, as plan_for_config) fit, the fewest first; a key
+    the config already sets that way is not advice ("" if nothing it does not already do would make it fit)."""
     for changes in ({"offload_idle_nodes": True}, {"max_concurrent_nodes": 1},
                     {"offload_idle_nodes": True, "max_concurrent_nodes": 1}):
-        if plan_for_config(cfg.replace(**changes), capacity_gb=capacity_gb).fits:
-            return " ".join(f"{k}={str(v).lower()}" for k, v in changes.items())
+        new = {k: v for k, v in changes.items() if getattr(cfg, k) != v}
+        if new and plan_for_config(cfg.replace(**changes), micro_batch, capacity_gb).fits:
+            return " ".join(f"{k}={str(v).lower()}" for k, v in new.items())
     return ""
 
 

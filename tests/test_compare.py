@@ -1,8 +1,11 @@
 """The comparison harness on a tiny budget: every variant, matched budgets, merges, and the warm start."""
 
 import csv
+import io
 import json
 import os
+import shutil
+from contextlib import redirect_stderr
 
 import pytest
 import yaml
@@ -14,6 +17,7 @@ from benchmarks.compare.variants import catalogue, custom
 from benchmarks.replay import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
+from utils.errors import exit_on_input_error
 
 SHARED_C4 = ROOT.parent / "shared" / "data" / "c4"
 SMALL = [o for o in TINY if not o.startswith(("num_outer_steps", "merge_frequency"))]
@@ -214,6 +218,50 @@ def network_model_is_checked(out, table, report, tmp_path, cache_dir):
     assert {r["network"] for r in fast} == {"datacentre"}
     assert "1e+09 tokens/s per node (given)" in (view / "comparison.md").read_text()
     assert float(next(r for r in fast if r["variant"] == "diloco_b2")["network_share"]) > 0.5  # rounds now dominate
+    no_reference_no_target(out, tmp_path, cache_dir)
+    damaged_finished_runs_are_refused_in_one_line(out, tmp_path, cache_dir)
+
+
+def harness(out, cache_dir, *extra):
+    """The harness's command line of the test above, for another view of its finished runs."""
+    return ["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "3000", "--max_outer_steps", "40",
+            "--diloco_batches", "2,4", "--out", str(out), *SMALL, f"cache_dir={cache_dir}", "merge_frequency=1",
+            "initial_batch_size=3", "max_batch_size=2", "ETA=0.3", "max_requested_batch=6", *extra]
+
+
+def no_reference_no_target(out, tmp_path, cache_dir):
+    """A view whose only DiLoCo run stopped on a training fault: no reference, so no target (a sentence says so),
+    never "target 0" and "0/1" in every cell."""
+    view = tmp_path / "no_reference"
+    assert compare_main(harness(out, cache_dir, "--variants", "adloco", "--add_variant", BROKEN,
+                                "--network", "datacentre", "--report_out", str(view))) == 0
+    report = (view / "comparison.md").read_text()
+    assert "No target: no DiLoCo run finished to be its reference" in report
+    assert "target val_perplexity: 0" not in report and "0/1" not in report
+    assert all(r["tokens_to_target"] == "" for r in read_csv(view / "comparison.csv"))
+
+
+def damaged_finished_runs_are_refused_in_one_line(out, tmp_path, cache_dir):
+    """A finished run whose summary.json, config.yaml or training_log.csv is damaged: one line naming the run and the
+    file, exit 2, and the damaged run left as it was (never overwritten by a harness that cannot read it)."""
+    damages = {"summary.json": ("summary.json", b'{"metric": "val_perpl'),
+               "config.yaml": ("config.yaml", b"num_outer_steps: [unclosed\n"),
+               "training_log.csv": ("model_training_report/training_log.csv", None)}
+    for name, (file, content) in damages.items():
+        copy = tmp_path / f"damaged_{name}"
+        shutil.copytree(out / "runs" / "adloco_seed0", copy / "runs" / "adloco_seed0")
+        path = copy / "runs" / "adloco_seed0" / file
+        path.write_bytes(content if content is not None else path.read_bytes()[:-40])  # a row cut short
+        before = {p: p.read_bytes() for p in (copy / "runs").rglob("*") if p.is_file()}
+        args = harness(copy, cache_dir, "--variants", "adloco", "--network", "datacentre")
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert exit_on_input_error(lambda args=args: compare_main(args)) == 2, name
+        (line,) = err.getvalue().splitlines()
+        assert line.startswith(f"error: {copy / 'runs' / 'adloco_seed0'}: a finished run whose {file}"), line
+        assert {p: p.read_bytes() for p in (copy / "runs").rglob("*") if p.is_file()} == before, name
+
+
 
 def test_a_bad_network_is_refused_before_any_run(tmp_path):
     with pytest.raises(SystemExit, match="--network.*10Gbit"):

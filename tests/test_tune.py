@@ -2,6 +2,7 @@
 are never run twice, one study shared by two processes; every trial a real run.py run on a tiny config."""
 
 import csv
+import json
 import math
 import os
 import signal
@@ -17,7 +18,7 @@ from scipy.stats import qmc
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import main as tune_main
 from benchmarks.tune import write_trials
-from benchmarks.tune.claims import open_storage, open_study
+from benchmarks.tune.claims import open_storage, open_study, variant_of
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, point_params, unit_point
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
@@ -32,7 +33,10 @@ def tune_args(out, cache_dir, *extra, max_tokens=1500):
 
 
 def trials_of(storage, name="diloco_b2"):
-    return optuna.load_study(study_name=name, storage=storage).get_trials()
+    """The trials of the storage's one study of variant `name` (studies are named VARIANT@DIGEST of their config)."""
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if variant_of(s) == name]
+    assert summary.study_name.startswith(f"{name}@")
+    return optuna.load_study(study_name=summary.study_name, storage=storage).get_trials()
 
 
 def test_points_are_one_halton_sequence_mapped_onto_each_space():
@@ -77,9 +81,13 @@ def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tm
     cmd = [sys.executable, "-m", "benchmarks.tune", *tune_args(out, cache_dir, "--trials", "3", "--workers", "2",
                                                                    max_tokens=8000)]
     tuner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    logs = [out / "trials" / "runs" / f"diloco_b2_p{i}_seed1000" / "training_log.log" for i in (0, 1)]
+    runs = out / "trials" / "runs"
+
+    def logs():
+        return [log for i in (0, 1) for log in runs.glob(f"diloco_b2@*_p{i}_seed1000/training_log.log")]
+
     deadline = time.time() + 300
-    while not all(log.is_file() and "[outer 1/" in log.read_text() for log in logs):
+    while not (len(logs()) == 2 and all("[outer 1/" in log.read_text() for log in logs())):
         assert tuner.poll() is None and time.time() < deadline, tuner.communicate()
         time.sleep(0.2)
     children = psutil.Process(tuner.pid).children(recursive=True)
@@ -106,15 +114,52 @@ def test_a_stopped_tuning_run_goes_on_to_exactly_n_finished_trials_none_twice(tm
         again = next(d for d in done if d.user_attrs["point"] == t.user_attrs["point"])
         assert again.params == t.params
     rows = (out / "trials.csv").read_text().splitlines()
-    assert rows[0].startswith("variant,trial,point,state,objective,lr_inner")
+    assert rows[0].startswith("variant,study,trial,point,state,objective,lr_inner")
     assert sum(",COMPLETE," in r for r in rows) == 3
     # each finished trial's run directory, relative to the table's folder (no machine's path in a committed table)
+    (study,) = {r.split(",")[1] for r in rows[1:]}  # diloco_b2@DIGEST, the one study
     assert {r.rsplit(",", 1)[1] for r in rows[1:] if ",COMPLETE," in r} == {
-        f"trials/runs/diloco_b2_p{p}_seed1000" for p in (0, 1, 2)}
+        f"trials/runs/{study}_p{p}_seed1000" for p in (0, 1, 2)}
     # a second call with the same --trials has nothing left to do; a larger one extends the same sequence
     assert tune_main(again_args) == 0
     assert len(trials_of(storage)) == len(trials)
     finalists_without_their_untuned_selves(out, cache_dir, min(done, key=lambda t: t.value), monkeypatch)
+
+
+def test_a_sigkilled_tool_leaves_no_orphan_and_a_busy_run_directory_is_an_error_not_in_flight(tmp_path, cache_dir):
+    """SIGKILL, which the tool cannot forward: its child run.py stops anyway (its parent's death reaches it as
+    SIGTERM: a checkpoint, status stopped). A call that finds a trial's run directory held by a live process ends in
+    one line and exit 2, not in "in flight in other processes" and exit 0; once free, the next call goes on."""
+    from run_dir.run_state import RunLock
+
+    out = tmp_path / "tune"
+    cmd = [sys.executable, "-m", "benchmarks.tune", *tune_args(out, cache_dir, "--trials", "1", max_tokens=8000)]
+    tuner = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = out / "trials" / "runs"
+    deadline = time.time() + 300
+    while not any("[outer 1/" in log.read_text() for log in runs.glob("diloco_b2@*_p0_seed1000/training_log.log")):
+        assert tuner.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    children = psutil.Process(tuner.pid).children(recursive=True)
+    assert children
+    tuner.kill()
+    tuner.wait()
+    _, alive = psutil.wait_procs(children, timeout=120)
+    assert not alive  # no orphan trains on
+    (run_dir,) = runs.glob("diloco_b2@*_p0_seed1000")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["signal"]) == ("stopped", "SIGTERM"), status
+    lock = RunLock(run_dir)  # a live process holds the trial's run directory
+    assert lock.try_acquire()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            tune_main(tune_args(out, cache_dir, "--trials", "1", max_tokens=8000))
+        assert str(exc.value).startswith("error: benchmarks.tune: ") and "is in use by process" in str(exc.value)
+    finally:
+        lock.release()
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1", max_tokens=8000)) == 0
+    (done,) = [t for t in trials_of(f"sqlite:///{out / 'studies.db'}") if t.state.name == "COMPLETE"]
+    assert done.user_attrs["point"] == 0 and math.isfinite(done.value)
 
 
 def finalists_without_their_untuned_selves(out, cache_dir, best, monkeypatch):
@@ -174,10 +219,45 @@ def test_what_tuning_changed_pairs_seeds_and_refuses_other_budgets(tmp_path):
     assert not a["interval_contains_0"]
     assert (found["b"]["untuned_from"], found["b"]["mean_difference"]) == ("this report", -1.5)
     assert found["c"] == {"variant": "c", "untuned_from": "not run", "pairs": 0}
+    one = report("one_pair", 100, [("d_tuned", 0, 4), ("d", 0, 6), ("d", 1, 7)])
+    (d,) = rows(one, [])  # one pair: a difference, no interval (empty cells, never nan nor "established")
+    assert (d["pairs"], d["mean_difference"]) == (1, -2)
+    assert not {"ci95_low", "ci95_high", "interval_contains_0"} & set(d)
+    from benchmarks.tune.changed import write
+
+    write(one, [])
+    (row,) = list(csv.DictReader((one / "tuning_changed.csv").open()))
+    assert (row["ci95_low"], row["ci95_high"], row["interval_contains_0"]) == ("", "", "")
     with pytest.raises(UserError, match="token budget 50, the tuned report's is 100"):
         rows(tuned, [(report("short", 50, [("a", 0, 1)]), ["a"])])
     with pytest.raises(UserError, match="no z in its runs.csv"):
         rows(tuned, [(other, ["z"])])
+
+
+def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_path, cache_dir, capsys):
+    """One storage, three calls: 1 trial at 1,500 tokens; then at 3,000 tokens with lr_outer 0.5 (another study: its
+    own point 0 runs, a line names what differs); then the first call again (its study holds its trial: nothing
+    runs). trials.csv says which study each row belongs to."""
+    out = tmp_path / "tune"
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1")) == 0
+    capsys.readouterr()
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1", "lr_outer=0.5", max_tokens=3000)) == 0
+    said = capsys.readouterr().out
+    (line,) = [x for x in said.splitlines() if "a new study" in x]
+    assert line.startswith("diloco_b2: a new study diloco_b2@") and "its 1 trials are not counted here" in line
+    assert "config.lr_outer: 0.7 -> 0.5" in line or "config.lr_outer" in line
+    assert "config.max_tokens: 1500 -> 3000" in line
+    storage = f"sqlite:///{out / 'studies.db'}"
+    summaries = optuna.get_all_study_summaries(storage)
+    assert sorted(variant_of(x) for x in summaries) == ["diloco_b2", "diloco_b2"]
+    assert all(x.n_trials == 1 for x in summaries)  # the second call ran its own point 0, not counting the first's
+    rows = list(csv.DictReader((out / "trials.csv").open()))
+    assert len(rows) == 2 and len({r["study"] for r in rows}) == 2 and {r["point"] for r in rows} == {"0"}
+    assert all(r["study"].startswith("diloco_b2@") and r["state"] == "COMPLETE" for r in rows)
+    budgets = {r["study"]: load_config(out / r["run_dir"] / "config.yaml").max_tokens for r in rows}
+    assert sorted(budgets.values()) == [1500, 3000]
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1")) == 0  # the first study again: nothing left to run
+    assert sum(x.n_trials for x in optuna.get_all_study_summaries(storage)) == 2
 
 
 def test_two_processes_share_one_study_and_never_run_a_point_twice(tmp_path, cache_dir):
@@ -199,8 +279,9 @@ def test_two_processes_share_one_study_and_never_run_a_point_twice(tmp_path, cac
     assert len({t.user_attrs["pid"] for t in done}) == 2  # both processes ran trials
     # nothing else ran: any other trial is a claim that found no point left, and started no run
     assert all(t.user_attrs.get("note", "").startswith("no point left") for t in trials if t not in done)
+    (study,) = {t.user_attrs["run_dir"].rsplit("/", 1)[1].split("_p")[0] for t in done}
     assert sorted(p.name for p in (out / "trials" / "runs").iterdir() if p.is_dir()) == [
-        f"diloco_b2_p{i}_seed1000" for i in range(3)]
+        f"{study}_p{i}_seed1000" for i in range(3)]
 
 
 def test_a_study_is_created_once_in_a_journal_however_often_it_is_opened(tmp_path):
@@ -260,7 +341,7 @@ def test_a_diverged_run_is_a_finished_trial_and_a_crashed_run_stops_the_tool(tmp
                             "inject_fault=1:0:nan"))
     assert (diverged / "runs" / "diloco_b2_tuned_seed0" / "status.json").is_file()
     crashed = tmp_path / "crashed"
-    with pytest.raises(SystemExit, match=r"error: benchmarks\.tune: RuntimeError: variant diloco_b2_p0 .*exit 1"):
+    with pytest.raises(SystemExit, match=r"error: benchmarks\.tune: RuntimeError: variant diloco_b2@\w+_p0 .*exit 1"):
         tune_main(tune_args(crashed, cache_dir, "--trials", "1", "inject_fault=1:0:crash"))
     (row,) = list(csv.DictReader((crashed / "trials.csv").open()))
     assert row["state"] == "FAIL" and row["objective"] == "" and "not the method's outcome" in row["note"]

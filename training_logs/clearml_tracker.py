@@ -236,4 +236,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from utils.errors import exit_on_input_error
+
+    sys.exit(exit_on_input_error(main))

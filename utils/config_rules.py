@@ -131,7 +131,18 @@ def alpha_warnings(cfg: ConfigFields) -> list[str]:
     return []
 
 
-CONFIG_WARNINGS = (multi_instance_warnings, clock_warnings, sketch_warnings, alpha_warnings)
+def norm_test_warnings(cfg: ConfigFields) -> list[str]:
+    """ETA >= 1: the norm test can (almost) never ask for a larger batch. Its gradient norm is that of the sampled
+    mean m, which holds its own noise (E ||m||^2 = ||g||^2 + sigma^2 / B over the trainer's B examples), so its target
+    sigma^2 / (M ETA^2 ||m||^2) is at most about b / ETA^2 for a node's batch b: not above b once ETA >= 1."""
+    if cfg.sampling_method != "norm_test" or cfg.ETA < 1:
+        return []
+    return [f"ETA {cfg.ETA:g} >= 1: the norm test asks for at most about b / ETA^2 = {1 / cfg.ETA ** 2:.2g} b (the "
+            "sampled gradient's norm holds its own noise), so batches will (almost) never grow; the paper's eta is "
+            "below 1 (its runs: 0.8)"]
+
+
+CONFIG_WARNINGS = (multi_instance_warnings, clock_warnings, sketch_warnings, alpha_warnings, norm_test_warnings)
 
 
 def check_multi_instance(cfg: ConfigFields) -> None:
@@ -221,8 +232,16 @@ def check_data(cfg: ConfigFields) -> None:
         raise ConfigError("embedded_sources", f"choose from wiki, c4, tiny (got {cfg.embedded_sources})")
 
 
+def check_evaluation(cfg: ConfigFields) -> None:
+    if cfg.eval_every_inner_steps > cfg.num_inner_steps:  # no node runs more (inner_steps_by_speed: the fastest's)
+        raise ConfigError("eval_every_inner_steps", f"{cfg.eval_every_inner_steps} is more than a round's "
+                          f"num_inner_steps {cfg.num_inner_steps}, so it would never evaluate; use at most "
+                          f"{cfg.num_inner_steps} (0: only after each outer step)")
+
+
 # section -> its check, in the order they run (the order of the checks before they were split by section)
 SECTION_CHECKS = {"run and logs": check_run_and_logs, "faults": check_faults, "algorithm": check_algorithm,
                   "cluster": check_cluster, "multi-instance training": check_multi_instance,
                   "the simulated clock": check_clock, "adaptive batching": check_adaptive_batching,
-                  "model": check_model, "communication": check_communication, "data": check_data}
+                  "model": check_model, "communication": check_communication, "data": check_data,
+                  "evaluation and outputs": check_evaluation}

@@ -4,6 +4,7 @@ Exit codes: 2 a mistake in the input (UserError), 3 a fault during training (Tra
 128 + signal number after a clean stop on SIGINT (130) or SIGTERM (143).
 """
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -66,7 +67,10 @@ def exit_code_of(action: Callable[[], object], interrupted: str = "stopped") -> 
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {signum: signal.signal(signum, raise_interrupted) for signum in (signal.SIGTERM, signal.SIGHUP)}
+        from utils.signals import honoured
+
+        previous = {signum: signal.signal(signum, raise_interrupted)
+                    for signum in honoured((signal.SIGTERM, signal.SIGHUP))}
     try:
         action()
     except UserError as exc:
@@ -92,7 +96,8 @@ def exit_code_of(action: Callable[[], object], interrupted: str = "stopped") -> 
 
 def exit_on_input_error(main: Callable[[], int]) -> int:
     """A tool's `python -m` entry: its input errors (SystemExit("error: ...") raised before any work) end in that
-    one line on stderr and exit 2, like run.py's; any other SystemExit keeps its code."""
+    one line on stderr and exit 2, like run.py's; any other SystemExit keeps its code. A reader that closes the
+    output early (`| head`) ends it in one line and exit 2 too, not a BrokenPipeError traceback."""
     try:
         return main()
     except SystemExit as exc:
@@ -100,3 +105,8 @@ def exit_on_input_error(main: Callable[[], int]) -> int:
             print(exc.code, file=sys.stderr)
             return 2
         raise
+    except BrokenPipeError:  # `... | head`: the reader left; stdout goes nowhere now, so the exit's flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("error: the output was closed before it ended (a pipe to head?); what was read is incomplete",
+              file=sys.stderr)
+        return 2

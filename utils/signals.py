@@ -14,6 +14,10 @@ Which signals, and why each one arrives:
     SIGQUIT  131  Ctrl-\\ (a stop with a checkpoint rather than a core dump)
     SIGXCPU  152  a CPU-time limit (ulimit -t, SLURM/PBS CPU limits) about to be enforced
     SIGPWR   158  a UPS's power-failure warning (Linux)
+A SIGHUP that was ignored when the process started (nohup, or a parent that set it so) stays ignored
+(`honoured`): the user asked the run to survive a closed terminal. Only SIGHUP: a non-interactive shell also
+starts background jobs with SIGINT and SIGQUIT ignored, and a stop a scheduler or a test sends with those must
+still stop the run.
 Ignored by Python already (they end nothing): SIGPIPE, SIGXFSZ. Left alone: SIGALRM, SIGPROF, SIGVTALRM
 (timers and profilers of libraries use them) and SIGKILL / SIGSTOP, which no process can catch.
 """
@@ -29,6 +33,12 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in
                      ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU", "SIGPWR")
                      if hasattr(signal, name))
 NAMES = {signum: signal.Signals(signum).name for signum in STOP_SIGNALS}
+KEPT_IGNORED = (signal.SIGHUP,)  # nohup's: a run started under it must survive the logout
+
+
+def honoured(signals: tuple[int, ...]) -> tuple[int, ...]:
+    """The stop signals to handle: all of `signals` but a SIGHUP ignored now (nohup), which stays ignored."""
+    return tuple(s for s in signals if not (s in KEPT_IGNORED and signal.getsignal(s) == signal.SIG_IGN))
 
 
 def signal_name(signum: int | None) -> str:
@@ -78,7 +88,7 @@ class StopSignals:
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
+            for signum in honoured(STOP_SIGNALS):
                 previous = signal.signal(signum, self._handle)
                 self._previous.setdefault(signum, previous)  # the handlers from before the first install
         return self
@@ -87,3 +97,26 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+PARENT_ENV = "ADLOCO_STOP_WITH_PARENT"  # set by a tool that runs run.py as its child: the tool's pid
+
+
+def stop_with_parent() -> None:
+    """A child of a tool (benchmarks.compare / benchmarks.tune set PARENT_ENV to their pid): stop as on SIGTERM (a
+    checkpoint, exit 143) when the tool dies, even by SIGKILL, which the tool cannot forward. The children run in
+    sessions of their own (a Ctrl-C reaches the tool alone, which passes it on), so nothing else would end them:
+    Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does. Elsewhere nothing changes. Call it after the stop
+    handlers are installed: a tool that died before this ran ends the child at once."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not inherited by this run's own children
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):  # no prctl (a libc without it): the tool's own forwarding is all there is
+        return
+    if str(os.getppid()) != parent:  # the tool died before the prctl: its signal is lost, so send it now
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -23,8 +23,29 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
+@dataclasses.dataclass(frozen=True)
+class CommandLineValue:
+    """A `key=value` scalar from the command line: its YAML reading and its text. A string key takes the text
+    (run_name=no, null, ~, 1.50 stay the strings the user typed; YAML would read a boolean, None or 1.5); any other
+    key takes the reading."""
+
+    value: Any
+    text: str
+
+    def for_type(self, tp: Any) -> Any:
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        options = [a for a in args if a is not type(None)]
+        if self.value is None and len(options) < len(args):
+            return None  # an optional key: null / ~ / nothing mean None
+        if options == [str] and not isinstance(self.value, str):
+            return self.text
+        return self.value
+
+
 def _coerce(key: str, value: Any, tp: Any, meta: dict[str, Any]) -> Any:
     """Check `value` against the annotated type `tp`; numeric strings like "2e-5" become floats."""
+    if isinstance(value, CommandLineValue):
+        value = value.for_type(tp)
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -96,8 +117,9 @@ def build_dataclass(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(prefix.rstrip(".") or "config", str(exc)) from None
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`key=value` strings (values parsed as YAML, dotted keys for nested sections) into a nested dict."""
+def parse_overrides(overrides: list[str], keep_text: bool = False) -> dict[str, Any]:
+    """`key=value` strings (values parsed as YAML, dotted keys for nested sections) into a nested dict.
+    keep_text: each scalar as a CommandLineValue (its reading and its text), for the typed check to choose."""
     result: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -107,6 +129,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             value = yaml.load(text, Loader=_PlainLoader) if text else ""
         except yaml.YAMLError:
             value = text
+        if keep_text and (value is None or isinstance(value, (str, bool, int, float))):
+            value = CommandLineValue(value, text)
         node = result
         *parents, leaf = key.split(".")
         for part in parents:
@@ -190,6 +214,6 @@ def load_typed(schema: type, path: str | Path | None = None, overrides: list[str
         raw = loaded or {}
         if section and isinstance(raw.get(section), dict):
             raw = raw[section]
-    _deep_update(raw, parse_overrides(overrides or []))
+    _deep_update(raw, parse_overrides(overrides or [], keep_text=True))
     return build_dataclass(schema, raw)
 

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
 from tqdm import tqdm  # noqa: E402
 
 from algorithms.clock import ThroughputCurve  # noqa: E402
-from benchmarks.compare.options import Options, build_parser, cluster_overrides, parse_networks  # noqa: E402
+from benchmarks.compare.options import Options, build_parser, cluster_overrides, made, parse_networks  # noqa: E402
 from benchmarks.compare.reader import first_reaching, ran_shapes, read_run, value_at  # noqa: E402
 from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
 from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_start  # noqa: E402
@@ -35,6 +35,7 @@ from benchmarks.compare.variants import (  # noqa: E402
 )
 from utils.config import load_config  # noqa: E402
 from utils.errors import Interrupted, UserError, raise_interrupted  # noqa: E402
+from utils.signals import honoured  # noqa: E402
 
 __all__ = ["main", "build_parser", "cluster_overrides", "variants", "catalogue", "Variant", "COMMUNICATION_VARIANTS",
            "CLUSTER_VARIANTS", "read_run", "ran_shapes", "value_at", "first_reaching", "Options"]
@@ -43,7 +44,7 @@ __all__ = ["main", "build_parser", "cluster_overrides", "variants", "catalogue",
 def main(argv: list[str] | None = None) -> int:
     args = Options.parse(argv)
     parse_networks(args)
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    stops = honoured((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))  # a SIGHUP nohup ignored stays ignored
     previous = {signum: signal.signal(signum, raise_interrupted) for signum in stops}
     try:
         return compare(args)
@@ -89,7 +90,7 @@ def compare(args: Options) -> int:
                 raise SystemExit(f"error: variant {name}: {exc}") from None
             print(f"{name}: left out of this regime: {exc}")  # an ablation of --variants paper that cannot run here
             del chosen[name]
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    made(out / "runs", "--out")
     extra = warm_start(args, out)
     args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1]), out) if extra else "")
     if not args.max_tokens:
@@ -118,6 +119,6 @@ def compare(args: Options) -> int:
     if not results:
         raise SystemExit("error: every run stopped on a training fault (see each run's status.json); no report")
     report_out = Path(args.report_out) if args.report_out else out
-    report_out.mkdir(parents=True, exist_ok=True)
+    made(report_out, "--report_out" if args.report_out else "--out")
     print(write_outputs(summarise(results, base, args), results, args, report_out, faults))
     return 0

@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -114,7 +115,10 @@ class Options:
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> Options:
-        return cls.from_parsed(vars(build_parser().parse_args(argv)))
+        options = cls.from_parsed(vars(build_parser().parse_args(argv)))
+        if options.seeds < 1:  # the harness's own call: seeds to run (benchmarks.tune's 0 means no finalists)
+            raise SystemExit(f"error: --seeds: {options.seeds}; give at least 1 (each variant runs on seeds 0..S-1)")
+        return options
 
     @classmethod
     def from_parsed(cls, args: dict) -> Options:
@@ -125,6 +129,11 @@ class Options:
         if not all(b.strip().isdigit() and int(b) > 0 for b in args["diloco_batches"].split(",") if b):
             raise SystemExit(f"error: --diloco_batches: {args['diloco_batches']!r} is not a comma-separated list of "
                              "positive whole numbers (e.g. 2,4,8,16)")
+        if args["seeds"] < 0:
+            raise SystemExit(f"error: --seeds: {args['seeds']} is negative")
+        for flag in ("out", "report_out"):
+            if args[flag]:
+                writable_folder(Path(args[flag]), f"--{flag}")
         if args["cluster"]:  # every run on the described cluster, before the command line's own overrides
             args["overrides"] = (*cluster_overrides(args["cluster"]), *args["overrides"])
         return cls(**args)
@@ -191,6 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def writable_folder(path: Path, flag: str) -> None:
+    """A folder the tool can create or write into, or one line saying why not (nothing is created here: the tool
+    creates it once the rest of its input is known good)."""
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"error: {flag} {path}: a file, not a folder")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SystemExit(f"error: {flag} {path}: cannot be created: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: {flag} {path}: cannot be " + ("written into" if existing == path else
+                         f"created: {existing} is not writable"))
+
+
+def made(path: Path, flag: str) -> Path:
+    """mkdir -p, or one line naming the folder and why (a read-only file system, a full disk, ...)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: {flag}: cannot create {path} ({exc.strerror or exc})") from None
+    return path
+
+
 def cluster_overrides(path: str) -> list[str]:
     """--cluster FILE as run.py overrides; a one-line error for what is not a cluster description."""
     try:
@@ -199,7 +232,7 @@ def cluster_overrides(path: str) -> list[str]:
         raise SystemExit(f"error: --cluster: cannot read {path} ({exc})") from None
     if not isinstance(raw, dict) or not raw:
         raise SystemExit(f"error: --cluster: {path} must hold a mapping of cluster keys ({', '.join(CLUSTER_KEYS)})")
-    unknown = sorted(set(raw) - set(CLUSTER_KEYS))
+    unknown = sorted(str(k) for k in set(raw) - set(CLUSTER_KEYS))  # 2: x beside devices: ...: a number as a key
     if unknown:
         raise SystemExit(f"error: --cluster: {path}: '{unknown[0]}' is not a cluster key ({', '.join(CLUSTER_KEYS)})")
     return [f"{k}={json.dumps(v)}" for k, v in raw.items()]

@@ -36,15 +36,17 @@ def time_target(results: dict[str, list[dict]], metric: str, args: Options) -> f
                                                    for r in runs)
 
 
-def cluster_sections(results: dict[str, list[dict]], metric: str, report_target: float, args: Options) -> list[str]:
+def cluster_sections(results: dict[str, list[dict]], metric: str, report_target: float | None, args: Options
+                     ) -> list[str]:
     """--cluster: which sections of the report the cluster file prices, and the one target each section uses."""
     nets = ", ".join(n.name for n in parse_networks(args)[0])
     repriced = sorted({name for name, rs in results.items() if any(r["summary"].get("repriced") for r in rs)})
     again = (f" Runs re-priced on this cluster's clock from finished runs that differ only in what the clock reads, "
              f"not retrained: {', '.join(repriced)}." if repriced else "")
     return ["## What uses the cluster file", "",
-            f"- The final models, the to-the-target table and the matched budgets: the runs' own numbers, which the "
-            f"clock never changes (target {metric} {report_target:.4g}).",
+            "- The final models, the to-the-target table and the matched budgets: the runs' own numbers, which the "
+            "clock never changes (" + (f"target {metric} {report_target:.4g}" if report_target is not None else
+                                        "no target: no DiLoCo reference finished") + ").",
             f"- The simulated cluster's clock: the cluster file `{args.cluster}` (its node speeds, network and "
             f"throughput; target {metric} {time_target(results, metric, args):.4g}).{again}",
             f"- The predicted wall time on a network and the crossover: not the cluster file; equal node speeds, "

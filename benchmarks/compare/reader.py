@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -12,6 +13,38 @@ import yaml
 from training_logs.alive import models_alive
 from training_logs.records import InnerEval, MergeEvent, TrainerRow, read_records
 from utils.config import Config
+
+
+def damage(run_dir: Path) -> str | None:
+    """What keeps a finished run (one with a summary.json) from being read back, in words, or None: a summary.json
+    that is not JSON or lacks its metric, a config.yaml that is not a valid config, a training_log.csv that is
+    missing, truncated (a row shorter than its header) or holds a cell that is not a number."""
+    from run_dir.run_config import load_run_config
+    from utils.errors import UserError
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "summary.json is not readable JSON"
+    if not isinstance(summary, dict) or not {"metric", "final_metric"} <= summary.keys():
+        return "summary.json lacks its metric or final_metric"
+    try:
+        load_run_config(run_dir / "config.yaml")
+    except (UserError, OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        return f"config.yaml is not a valid config ({str(exc).splitlines()[0][:120]})"
+    log = run_dir / "model_training_report" / "training_log.csv"
+    try:
+        with log.open(newline="") as f:
+            lines = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return "model_training_report/training_log.csv is missing or unreadable"
+    if len(lines) < 2 or any(len(line) != len(lines[0]) for line in lines[1:]):
+        return "model_training_report/training_log.csv is truncated (no rows, or a row shorter than its header)"
+    try:
+        read_records(log, TrainerRow)
+    except (ValueError, TypeError):
+        return "model_training_report/training_log.csv holds a cell that is not a number"
+    return None
 
 
 def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:

@@ -22,6 +22,10 @@ AXES = {"tokens": "tokens seen (all trainers)", "rounds": "rounds (outer steps)"
         "syncs": "syncs (cross-node all-reduces + merges)", "bytes": "bytes communicated"}
 
 
+NO_TARGET = ("No target: no DiLoCo run finished to be its reference (none ran, or every seed stopped on a training "
+             "fault), and --target was not given; the tables to a target are left out.")
+
+
 def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> dict:
     """Every table of the report, as lists of dicts."""
     any_run = next(iter(results.values()))[0]
@@ -31,7 +35,9 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
     finals = {n: [r["final"] for r in runs] for n, runs in results.items()}
     diloco = [n for n, runs in results.items() if runs[0]["family"] == "diloco"]
     reference = diloco_default if diloco_default in finals else next(iter(diloco), "")
-    target = args.target or (statistics.mean(finals[reference]) if reference else 0.0)
+    # no reference (none ran, or every seed of it stopped on a training fault) and no --target: no target at all,
+    # never 0 (every run would "reach" it, or none)
+    target = args.target or (statistics.mean(finals[reference]) if reference else None)
     main_rows, budget_rows, merge_rows = [], [], []
     for name, runs in results.items():
         final_mean, final_std = mean_std(finals[name])
@@ -42,9 +48,10 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
                     "logged_statistics_bytes", "wall"):
             row[key] = statistics.mean(r["curve"][-1].get(key, 0) for r in runs)
         for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
-            reach = [first_reaching(r["curve"], target, key, higher) for r in runs]
+            reach = [first_reaching(r["curve"], target, key, higher) for r in runs] if target is not None else []
             got = [v for v in reach if v is not None]
-            row[f"{key}_to_target"] = statistics.mean(got) if len(got) == len(reach) else f"{len(got)}/{len(reach)}"
+            row[f"{key}_to_target"] = (None if target is None else statistics.mean(got) if len(got) == len(reach)
+                                       else f"{len(got)}/{len(reach)}")
         row.update({"merges": statistics.mean(len(r["merges"]) for r in runs),
                     "max_requested_batch": max(max(r["requested_batches"]) for r in runs),
                     "max_accumulation": max(r["max_accumulation"] for r in runs),
@@ -63,7 +70,8 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
                                "after_vs_best_member_pct_mean": statistics.mean(change),
                                "after_vs_best_member_pct_worst": (min if higher else max)(change),
                                "share_better_than_weighted": sum(better_than_weighted) / len(events)})
-    steps, critical = batches.rows(results, target, higher)
+    steps, critical = (batches.rows(results, target, higher) if target is not None else
+                       ([{} for _ in results], "critical batch: no target (see above)"))
     for row, measured in zip(main_rows, steps):
         row.update({k: v for k, v in measured.items() if k != "variant"})
     budgets = {"tokens": float(args.max_tokens)}
@@ -161,8 +169,10 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
     warm = f"; warm start: {args.warm_from}" if args.warm_from else ""
     lines = [f"# AdLoCo comparison ({datetime.now():%Y-%m-%d})", "",
              f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
-             f"{args.max_tokens}{warm}; target {metric}: {report['target']:.4g} "
-             f"({'given' if args.target else report['reference'] + ' final mean'}).", "",
+             f"{args.max_tokens}{warm}; " + (NO_TARGET if report["target"] is None else
+                                              f"target {metric}: {report['target']:.4g} "
+                                              f"({'given' if args.target else report['reference'] + ' final mean'})."),
+             "",
              *fault_section(faults),
              *(cluster_sections(results, metric, report["target"], args) if args.cluster else []),
              f"## Final models ({metric} of the real final model, mean and std over seeds; best seen during the run)",
@@ -170,8 +180,9 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
                                           "rounds", "syncs", "bytes", "wall", "merges", "max_requested_batch",
                                           "max_accumulation", "theorem2_bound"]), "",
              "## To the target (mean over seeds; k/n: only k of n seeds reached it)", "",
-             *table(report["main"], ["variant", "tokens_to_target", "rounds_to_target", "syncs_to_target",
-                                      "bytes_to_target", "wall_to_target"]), "",
+             *(table(report["main"], ["variant", "tokens_to_target", "rounds_to_target", "syncs_to_target",
+                                       "bytes_to_target", "wall_to_target"]) if report["target"] is not None
+               else [NO_TARGET]), "",
              "## Bytes each variant needs (mean over seeds, at the end)", "",
              "bytes: what the method sends for its own decisions, the weights traffic (weights_bytes: outer syncs or "
              "DDP's gradient all-reduces, merges, node moves) and its batch test's statistics in the precision it "
@@ -184,7 +195,8 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
              "steps_vs_best_constant: against the constant batch (diloco_bB) that needs fewest (Merrill et al. "
              f"2025's measure for batch warmup). The sweep's {report['critical_batch']} (Zhang et al. 2025: steps "
              "within 20% of linear scaling).", "",
-             *table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"]), "",
+             *(table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"])
+               if report["target"] is not None else [NO_TARGET]), "",
              *along_training_section(report["along_training"]),
              *seeds.sections(results, metric, float(args.max_tokens), report["reference"], out)]
     for axis, label in AXES.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -11,11 +12,13 @@ import threading
 from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
+from benchmarks.compare.reader import damage
 from run_dir.run_config import load_run_config
 from run_dir.run_state import in_use, read_status
 from training_logs.records import TrainerRow, read_records
 from utils.config import WHERE_KEYS, Config, load_config
 from utils.errors import Interrupted, TrainingFault
+from utils.signals import PARENT_ENV
 
 
 def resolved(config_path: str | Path, overrides: list[str]) -> dict:
@@ -102,13 +105,14 @@ def run_child(cmd: list[str], log_path: Path, append: bool = False) -> int:
     checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training; once stopped, no child starts (the
     exit code is then 128 + the signal, as a stopped child's). The child has a session of its own: a Ctrl-C at the
     terminal reaches the harness alone, which passes it on, rather than both (a second signal would make the child
-    exit without its checkpoint)."""
+    exit without its checkpoint). A harness that dies outright (SIGKILL) takes its children with it: each stops as on
+    SIGTERM, with its checkpoint (utils.signals.stop_with_parent), so no orphan trains on."""
     with log_path.open("a" if append else "w") as log_file:
         with CHILDREN_LOCK:
             if STOPPED_BY:
                 return 128 + STOPPED_BY[0]
             child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, PARENT_ENV: str(os.getpid())})
             LIVE_CHILDREN.add(child)
         try:
             return child.wait()
@@ -157,6 +161,10 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
                 f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
                 f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
     if (run_dir / "summary.json").is_file() and not args.rerun:
+        problem = damage(run_dir)
+        if problem:  # a damaged finished run: said, never overwritten by a harness that cannot read it
+            raise SystemExit(f"error: {run_dir}: a finished run whose {problem}; nothing was changed: move it away "
+                             "or remove it to run it again (or give --rerun)")
         wanted = resolved(args.config, run_args)
         changes = config_changes(run_dir, wanted)
         if not changes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 from utils.config import Config
@@ -129,6 +130,22 @@ HARNESS_KEYS = ("training_seed", "log_dir", "run_name", "clearml_mode", "max_tok
                 "save_weights_every")
 
 
+OVERRIDE_START = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def split_overrides(text: str) -> list[str]:
+    """An --add_variant's KEY=VALUE list: split at whitespace, shell-like (quotes group), but a word that does not
+    start a KEY= belongs to the value before it, so values with spaces need no quotes of their own
+    (node_schedule=[{node: 1, leave: 2}] is one override)."""
+    words: list[str] = []
+    for word in shlex.split(text):
+        if words and not OVERRIDE_START.match(word):
+            words[-1] += f" {word}"
+        else:
+            words.append(word)
+    return words
+
+
 def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Variant]:
     """--add_variant NAME=[BASE:]KEY=VALUE ...: a variant from the command line, the overrides of an existing variant
     BASE (its family too) first, then its own (whitespace-separated); without BASE, AdLoCo's family."""
@@ -136,8 +153,8 @@ def custom(specs: tuple[str, ...], known: dict[str, Variant]) -> dict[str, Varia
     for spec in specs:
         name, _, rest = spec.partition("=")
         base, _, own = rest.partition(":") if ":" in rest.split("=", 1)[0] else ("", "", rest)
-        try:  # shell-like: a quoted value keeps its spaces ('task_name="my run"')
-            own_overrides = shlex.split(own)
+        try:
+            own_overrides = split_overrides(own)
         except ValueError as exc:
             raise SystemExit(f"error: --add_variant {spec!r}: {exc}") from None
         owned = [o.split("=", 1)[0] for o in own_overrides if o.split("=", 1)[0] in HARNESS_KEYS]

@@ -13,8 +13,12 @@ smarter search. --trials N is how many finished trials each study should hold: a
 run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at once here,
 each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on several
 machines (claims.py says how).
-The outputs in --out: trials.csv (variant, trial, point, state, objective, each tuned key, note, run directory; every
-study in the storage, so a call naming a few variants keeps the others' rows)
+A study is its config: it is named VARIANT@DIGEST of everything that changes its objective (the resolved config
+without the tuned knobs, the token budget, the tuning seed, the tuned ranges; claims.StudyIdentity), so a call with
+another budget or other overrides on the same storage starts its own study (a line names what differs) and never
+counts trials measured under another config.
+The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, note, run
+directory; every study in the storage, so a call naming a few variants keeps the others' rows)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
 (changed.py: tuning_changed.csv); --untuned DIR:V1,... takes untuned runs from a finished report instead, and
@@ -36,14 +40,32 @@ import optuna
 from optuna.trial import TrialState
 
 from benchmarks.compare import compare
-from benchmarks.compare.options import Options, build_parser
+from benchmarks.compare.options import Options, build_parser, made
 from benchmarks.compare.reader import read_run, value_at
-from benchmarks.compare.runner import STOPPED_BY, RunFailed, allow_children, run_variant, stop_children, warm_start
+from benchmarks.compare.runner import (
+    STOPPED_BY,
+    RunFailed,
+    allow_children,
+    resolved,
+    run_variant,
+    stop_children,
+    warm_start,
+)
 from benchmarks.compare.variants import Variant, catalogue, custom, select
-from benchmarks.tune.claims import claim, free_points, heartbeat, open_storage, open_study
+from benchmarks.tune.claims import (
+    StudyIdentity,
+    claim,
+    free_points,
+    heartbeat,
+    open_storage,
+    open_study,
+    other_studies,
+    variant_of,
+)
 from benchmarks.tune.points import PointSampler, distributions
 from utils.config import load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
+from utils.signals import honoured
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines would bury the harness's own
@@ -107,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {**select(known, args.variants, args.diloco_batches, bool(args.cluster)),
               **custom(args.add_variant, known)}
     regimes = checked_regimes(args, chosen)
-    (out / "trials" / "runs").mkdir(parents=True, exist_ok=True)  # only once the input is known good
+    made(out / "trials" / "runs", "--out")  # only once the input is known good
     stop = threading.Event()
 
     def forward(signum, frame):  # the main thread: stop claiming, and stop the runs in flight (they checkpoint);
@@ -116,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         stop_children(signum)
 
     allow_children()
-    previous = {s: signal.signal(s, forward) for s in STOPS}
+    previous = {s: signal.signal(s, forward) for s in honoured(STOPS)}  # a SIGHUP nohup ignored stays ignored
     try:
         extra = warm_start(args, out)
         storage = open_storage(tuning.storage, out)
         direction = "maximize" if base.dataset == "imdb" else "minimize"
-        studies = {name: open_study(name, storage, direction, PointSampler(v.search, regimes[name]))
+        identities = {name: identity_of(name, v, regimes[name], args, tuning, extra) for name, v in chosen.items()}
+        for identity in identities.values():
+            for line in other_studies(storage, identity):
+                print(line)
+        studies = {name: open_study(name, storage, direction, PointSampler(v.search, regimes[name]), identities[name])
                    for name, v in chosen.items()}
         threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
                       // tuning.workers)
@@ -151,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         if errors or STOPPED_BY:
             return ended(errors, STOPPED_BY, "the finalists' runs in flight were stopped; run the same command again "
                          "to go on (finished runs are reused, stopped ones resume)")
-        for s in STOPS:
+        for s in honoured(STOPS):
             signal.signal(s, raise_interrupted)
         return report(named, specs, trial_args, tuning)
     except Interrupted as exc:
@@ -196,6 +222,22 @@ def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
     return regimes
 
 
+MACHINE_KEYS = ("cpu_threads", "cpu_capability")  # each machine's kernels: last digits only (docs/running.md)
+
+
+def identity_of(name: str, variant: Variant, cfg, args: Options, tuning: Tuning, extra: list[str]) -> StudyIdentity:
+    """What this variant's trials are measured under: the config every trial resolves to (the harness's overrides,
+    the warm start, the variant's own), without the tuned knobs, the places files go (WHERE_KEYS) and the machine's
+    kernel choice (so that machines of several kinds share one study); the budget, the tuning seed and each tuned
+    knob's range (a wider range is another study: its points are other points)."""
+    tuned = distributions(variant.search, cfg)
+    values = resolved(args.config, [*args.overrides, *extra, *variant.overrides, f"training_seed={tuning.tuning_seed}",
+                                    f"max_tokens={args.max_tokens}", f"num_outer_steps={args.max_outer_steps}"])
+    config = {k: v for k, v in values.items() if k not in tuned and k not in MACHINE_KEYS}
+    search = {k: [d.low, d.high, "log" if d.log else "linear"] for k, d in tuned.items()}
+    return StudyIdentity(name, {"config": config, "search": search})
+
+
 def worker(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning, args: Options, out: Path,
            extra: list[str], stop: threading.Event, errors: list[str]) -> None:
     """Claim and run trials, variant after variant, until every point is finished or in flight, or a stop; an
@@ -204,6 +246,9 @@ def worker(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning:
         run_trials(studies, chosen, tuning, args, out, extra, stop)
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
+        stop.set()
+    except SystemExit as exc:  # a one-line refusal (a run directory in use, ...): a thread would drop it silently
+        errors.append(str(exc).removeprefix("error: "))
         stop.set()
 
 
@@ -220,7 +265,8 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             alive = threading.Event()
             threading.Thread(target=heartbeat, args=(study, trial, alive), daemon=True).start()
             try:
-                run_dir, _ = run_variant(f"{name}_p{point}", [*chosen[name].overrides, *(
+                # the study's name in the run's: two studies of one variant never share a run directory
+                run_dir, _ = run_variant(f"{study.study_name}_p{point}", [*chosen[name].overrides, *(
                     f"{k}={v}" for k, v in params.items())], tuning.tuning_seed, args, out / "trials", extra)
             except RunFailed as exc:
                 if not (exc.training_fault or stop.is_set()):  # the tool's error or bad input, not the method's
@@ -254,19 +300,24 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
 def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], storage: optuna.storages.BaseStorage,
                  path: Path) -> None:
     """Every study in the storage, this call's first (in its order), then the others: a call that names some
-    variants keeps the rows of the rest (the table is the storage's, not the call's)."""
-    others = {name: optuna.load_study(study_name=name, storage=storage)
-              for name in optuna.get_all_study_names(storage) if name not in studies}
-    every = {**studies, **others}
+    variants keeps the rows of the rest (the table is the storage's, not the call's). The study column says which
+    study (VARIANT@DIGEST of its config, benchmarks.tune.claims.StudyIdentity) each row belongs to: rows of two
+    studies of one variant were measured under different configs and are never to be ranked together."""
+    mine = {study.study_name for study in studies.values()}
+    others = {summary.study_name: (variant_of(summary), optuna.load_study(study_name=summary.study_name,
+                                                                          storage=storage))
+              for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)
+              if summary.study_name not in mine}
+    every = [*((name, study) for name, study in studies.items()), *others.values()]
     keys = list(dict.fromkeys([*(k.key for v in chosen.values() for k in v.search),
-                               *(key for study in others.values() for t in study.get_trials(deepcopy=False)
+                               *(key for _, study in others.values() for t in study.get_trials(deepcopy=False)
                                  for key in t.params)]))
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "trial", "point", "state", "objective", *keys, "note", "run_dir"])
-        for name, study in every.items():
+        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "note", "run_dir"])
+        for name, study in every:
             for t in study.get_trials(deepcopy=False):
-                w.writerow([name, t.number, t.user_attrs.get("point", ""), t.state.name,
+                w.writerow([name, study.study_name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
                             t.user_attrs.get("note", ""), shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
 
@@ -322,6 +373,10 @@ def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra:
                 return
             except Exception as exc:  # the tool's own error: one line, every worker stops
                 errors.append(f"{type(exc).__name__}: {exc}")
+                stop.set()
+                return
+            except SystemExit as exc:  # a one-line refusal (a run directory in use, ...): never lost in a thread
+                errors.append(str(exc).removeprefix("error: "))
                 stop.set()
                 return
 

@@ -75,11 +75,17 @@ def rows(tuned: Path, sources: list[tuple[Path, list[str]]]) -> list[dict]:
         path, untuned = found
         seeds = sorted(set(mine[name]) & set(untuned))
         diffs = [mine[name][s] - untuned[s] for s in seeds]
-        mean, low, high = paired_interval(diffs) if diffs else (float("nan"),) * 3
+        if not diffs:
+            out.append({"variant": base, "untuned_from": "this report" if path == tuned else from_report(tuned, path),
+                        "pairs": 0})
+            continue
+        mean, low, high = paired_interval(diffs)
+        # one pair has no interval: its cells stay empty (not nan, and never "established")
+        interval = ({"ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high}
+                    if len(diffs) > 1 else {})
         out.append({"variant": base, "untuned_from": "this report" if path == tuned else from_report(tuned, path),
                     "pairs": len(seeds), "untuned_mean": statistics.mean(untuned[s] for s in seeds),
-                    "tuned_mean": statistics.mean(mine[name][s] for s in seeds), "mean_difference": mean,
-                    "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high})
+                    "tuned_mean": statistics.mean(mine[name][s] for s in seeds), "mean_difference": mean, **interval})
     return out
 
 
@@ -104,7 +110,8 @@ def write(tuned: Path, sources: list[tuple[Path, list[str]]]) -> list[dict]:
                "Each tuned finalist (VARIANT_tuned: its study's best trial) against the same variant untuned, seed "
                "by seed, at the token budget: tuned - untuned, paired t 95% interval (below 0: tuning lowered the "
                "metric). untuned_from: where the untuned runs come from (another report, relative to this one's "
-               "folder: the same config, seeds paired by number).", "",
+               "folder: the same config, seeds paired by number). With fewer than 2 pairs no interval exists: its "
+               "cells are empty, and the difference is not established.", "",
                *table([{c: r.get(c, "") for c in COLUMNS} for r in found], COLUMNS), ""]
     md = tuned / "comparison.md"
     text = md.read_text() if md.exists() else ""

@@ -11,6 +11,9 @@ only a stop or a lost owner leaves a point to be run again."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import socket
 import threading
@@ -35,21 +38,118 @@ def open_storage(url: str, out: Path) -> optuna.storages.BaseStorage:
     if "://" not in url:
         from optuna.storages.journal import JournalFileBackend
 
-        return optuna.storages.JournalStorage(JournalFileBackend(str(Path(url).expanduser().resolve())))
+        path = Path(url).expanduser().resolve()
+        journal_problem(path)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    import sqlalchemy.exc
+
     # SQLite serializes writers: wait for the lock (several workers, several processes) rather than fail
     engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+    scheme = url.split("://", 1)[0]
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+    except ImportError:
+        raise SystemExit(f"error: --storage {url}: no driver for {scheme} is installed (pip install psycopg2-binary "
+                         "for postgresql://, pymysql for mysql+pymysql://); nothing was written") from None
+    except (sqlalchemy.exc.NoSuchModuleError, sqlalchemy.exc.ArgumentError):
+        raise SystemExit(f"error: --storage {url}: unknown database scheme '{scheme}' (sqlite:///PATH, "
+                         "postgresql://..., mysql+pymysql://..., or a journal file's path)") from None
+    except sqlalchemy.exc.SQLAlchemyError as exc:  # not a database (a damaged file), or it cannot be opened
+        why = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        raise SystemExit(f"error: --storage {url}: not a study storage this tool can open ({why}); nothing was "
+                         "changed") from None
+
+
+def journal_problem(path: Path) -> None:
+    """A journal file this tool can append to, or one line saying why not. A torn last line (a process died while
+    writing it) is refused rather than appended to: the next record would be glued to it and lost, and Optuna
+    would fail on the next read."""
+    if path.is_dir():
+        raise SystemExit(f"error: --storage {path}: a folder, not a journal file")
+    if not path.parent.is_dir():
+        raise SystemExit(f"error: --storage {path}: its folder {path.parent} does not exist")
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb") as f:
+        data = f.read()
+    whole = data.rfind(b"\n") + 1
+    if whole < len(data):
+        raise SystemExit(f"error: --storage {path}: its last line is torn ({len(data) - whole} bytes after the last "
+                         f"newline: a process died while writing it); nothing was changed: cut them with "
+                         f"`truncate -s {whole} {path}` (that record was never complete) and run again")
 
 
 def open_study(name: str, storage: optuna.storages.BaseStorage, direction: str,
-               sampler: optuna.samplers.BaseSampler) -> optuna.Study:
-    """One variant's study, created only when the storage lacks it: create_study(load_if_exists=True) would append a
-    create record to a journal on every call, a line of noise per study per call."""
+               sampler: optuna.samplers.BaseSampler, identity: StudyIdentity | None = None) -> optuna.Study:
+    """One study, created only when the storage lacks it: create_study(load_if_exists=True) would append a create
+    record to a journal on every call, a line of noise per study per call. identity: what the study measures under
+    (its name then carries the identity's digest, and a new study records it)."""
+    study_name = identity.study_name if identity else name
     try:
-        return optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        return optuna.load_study(study_name=study_name, storage=storage, sampler=sampler)
     except KeyError:  # absent; another process may create it first, hence load_if_exists
-        return optuna.create_study(study_name=name, storage=storage, direction=direction, sampler=sampler,
-                                   load_if_exists=True)
+        study = optuna.create_study(study_name=study_name, storage=storage, direction=direction, sampler=sampler,
+                                    load_if_exists=True)
+    if identity is not None and "identity" not in study.user_attrs:
+        study.set_user_attr("variant", identity.variant)
+        study.set_user_attr("identity", identity.values)
+    return study
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyIdentity:
+    """What a study's objective is measured under: the variant, its resolved config without the tuned knobs, the
+    token budget, the tuning seed and the search space. A study is named VARIANT@DIGEST of it, so a call with another
+    config on the same storage starts another study rather than counting trials measured under another config."""
+
+    variant: str
+    values: dict
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(self.values, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+    @property
+    def study_name(self) -> str:
+        return f"{self.variant}@{self.digest}"
+
+
+def variant_of(summary: optuna.study.StudySummary) -> str:
+    """The variant a stored study tunes (a study made before studies recorded their identity: its name)."""
+    return summary.user_attrs.get("variant", summary.study_name)
+
+
+def differences(had: dict, now: dict) -> list[str]:
+    """'key: was -> now' for each value two identities differ in (nested keys dotted)."""
+    flat_had, flat_now = _flat(had), _flat(now)
+    return [f"{k}: {flat_had.get(k, '(absent)')!r} -> {flat_now.get(k, '(absent)')!r}"
+            for k in sorted(set(flat_had) | set(flat_now)) if flat_had.get(k) != flat_now.get(k)]
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity) -> list[str]:
+    """One line per study of the same variant in the storage made under another config, naming what differs (its
+    trials are not this study's)."""
+    lines = []
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if variant_of(summary) != identity.variant or summary.study_name == identity.study_name:
+            continue
+        had = summary.user_attrs.get("identity")
+        why = ("made before studies recorded their config" if had is None else
+               "; ".join(differences(had, identity.values)[:4]) or "another search")
+        lines.append(f"{identity.variant}: a new study {identity.study_name}; the storage's {summary.study_name} was "
+                     f"made under another config ({why}): its {summary.n_trials} trials are not counted here")
+    return lines
 
 
 def owner_gone(trial: FrozenTrial, now: float) -> bool:
