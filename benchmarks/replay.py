@@ -132,10 +132,15 @@ def _sync_bytes(run_config: dict, weight_bytes: int) -> int:
     return 0 if sync.exact else sync.payload_bytes(weight_bytes // 4)
 
 
-def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork], int, int]:
+def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None = None
+                ) -> tuple[list[RoundWork], int, int]:
     """A finished run's rounds, the bytes P of its fp32 weights and the weights_traffic_bytes they add up to.
     statistics: the batch test's statistics, when it decides with them, as the run sent them (its live clock
     prices the same: a replay gives the run's own sim_time). Statistics sent for the log only are not priced.
+    model_bytes: price the rounds as if the fp32 weights were this many bytes (another model size): everything that
+    travels in proportion to the model (the all-reduce, compressed payloads and fragments, DDP's gradients, merges,
+    node moves, full-size statistics) scales by model_bytes / P; sketched statistics, the rounds, the tokens and the
+    trajectory stay the run's. The bytes returned are then model_bytes and the run's traffic scaled alike.
 
     Runs written before summary.json carried `weight_bytes` get P from their all-reduce traffic."""
     report = run_dir / "model_training_report"
@@ -149,13 +154,15 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
     merges_at: dict[int, list[MergeEvent]] = {}
     for m in merges:
         merges_at.setdefault(m.outer_step, []).append(m)
-    weight_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
+    run_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
+    weight_bytes = model_bytes or run_bytes
+    scale = weight_bytes / run_bytes if run_bytes else 1.0  # 1 unless another model size is priced
     stats = _statistics_bytes(run_config, weight_bytes, statistics)
     sync_bytes = _sync_bytes(run_config, weight_bytes)
     # every round of the run sent alike (CommPlan.sync_cost); runs made before the ring all-gathered their payloads
-    sync = SyncCost(sync_bytes, tuple(summary.get("fragment_bytes") or ()), int(run_config.get("sync_delay", 0)),
-                    int(run_config.get("num_inner_steps", 1)), stats, summary.get("compressed_sync") == "ring",
-                    int(summary.get("gradient_bytes") or 0))
+    sync = SyncCost(sync_bytes, tuple(round(b * scale) for b in summary.get("fragment_bytes") or ()),
+                    int(run_config.get("sync_delay", 0)), int(run_config.get("num_inner_steps", 1)), stats,
+                    summary.get("compressed_sync") == "ring", round(int(summary.get("gradient_bytes") or 0) * scale))
     tokens_before = {r.trainer_id: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0
     held: dict[int, tuple[int, int]] = {}  # node -> (trainer, weights version) it holds, as the cluster tracks it
@@ -164,9 +171,11 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
     for step in sorted(s for s in by_step if s > 0):
         trained = by_step[step]
         first = trained[0]
-        work = RoundWork(step, [], [MergeWork(m.survivor, m.bytes, (m.survivor, *map(int, m.merged.split())))
+        work = RoundWork(step, [], [MergeWork(m.survivor, round(m.bytes * scale),
+                                              (m.survivor, *map(int, m.merged.split())))
                                     for m in merges_at.get(step, [])],
-                         (first.node_moves or 0) - moves_before, (first.node_move_bytes or 0) - move_bytes_before)
+                         (first.node_moves or 0) - moves_before,
+                         round(((first.node_move_bytes or 0) - move_bytes_before) * scale))
         moves_before, move_bytes_before = first.node_moves or 0, first.node_move_bytes or 0
         for r in trained:
             seen, t = float(r.tokens_seen), r.trainer_id
@@ -186,7 +195,7 @@ def read_rounds(run_dir: Path, statistics: bool = True) -> tuple[list[RoundWork]
             if own:  # the merge is computed on the survivor's first node, which so holds the result
                 held[min(own)] = (m.survivor, version[m.survivor])
         rounds.append(work)
-    return rounds, weight_bytes, int(value_of(summary, "weights_traffic_bytes", 0))
+    return rounds, weight_bytes, round(int(value_of(summary, "weights_traffic_bytes", 0)) * scale)
 
 
 def _infer_weight_bytes(by_step: dict[int, list[TrainerRow]]) -> int:

@@ -190,6 +190,7 @@ class ClusterController:
         self.stop.can_checkpoint = True
         try:
             for outer_step in bar:
+                tokens_before = state.tokens_total
                 if self.backend.agree(self.stop.requested):
                     raise self._stopped()
                 try:
@@ -210,6 +211,7 @@ class ClusterController:
                 log.info(self._step_line(outer_step, rows, merge_event))
                 bar.set_postfix(trainers=len(self.trainers), **{self.evaluator.metric[4:]: f"{best:.4g}"},
                                 batch=max(t.requested_batch for t in self.trainers.values()))
+                bar.total = last_step_expected(cfg, outer_step, state.tokens_total, state.tokens_total - tokens_before)
                 state.last_outer_step = outer_step
                 if cfg.save_weights_every and outer_step % cfg.save_weights_every == 0 \
                         and outer_step < cfg.num_outer_steps:
@@ -285,3 +287,12 @@ def start_words(cfg: Config, first: int) -> str:
     if cfg.need_to_reinit_output_layers:
         return f"trainer {first}; each trainer has its own output layer"
     return "all trainers start from the same weights"
+
+
+def last_step_expected(cfg: Config, step: int, tokens: int, round_tokens: int) -> int:
+    """The progress bar's total: num_outer_steps, or with max_tokens the step at which the budget is reached at this
+    round's tokens per round (growing batches reach it sooner), so a run that stops at its budget after 2 steps does
+    not show 200 and their hours."""
+    if not cfg.max_tokens or round_tokens <= 0:
+        return cfg.num_outer_steps
+    return min(cfg.num_outer_steps, step + math.ceil(max(0, cfg.max_tokens - tokens) / round_tokens))

@@ -220,6 +220,47 @@ def network_model_is_checked(out, table, report, tmp_path, cache_dir):
     assert float(next(r for r in fast if r["variant"] == "diloco_b2")["network_share"]) > 0.5  # rounds now dominate
     no_reference_no_target(out, tmp_path, cache_dir)
     damaged_finished_runs_are_refused_in_one_line(out, tmp_path, cache_dir)
+    repriced_from_the_bundle_alone(out, tmp_path)
+
+
+def repriced_from_the_bundle_alone(out, tmp_path):
+    """The report's replay bundle, with no run directory beside it: --reprice on the report's own pricing writes the
+    same tables (nothing trains); on another network and model size, what scales with the model (the bytes of every
+    sync, merge and move) scales, and what does not (rounds, syncs, the trajectory) stays."""
+    import tarfile
+
+    from benchmarks.compare.bundle import BUNDLE
+
+    bundle = out / BUNDLE
+    assert bundle.is_file() and bundle.stat().st_size < 2_000_000
+    with tarfile.open(bundle) as tar:
+        names = tar.getnames()
+    assert "manifest.json" in names and "adloco_seed0/model_training_report/training_log.csv" in names
+    assert "broken_seed0/status.json" in names  # the faulted run travels too (the report lists it)
+    alone = tmp_path / "committed_report"  # a committed report: the bundle and no run directory
+    alone.mkdir()
+    shutil.copy(bundle, alone / BUNDLE)
+    same = tmp_path / "same_pricing"
+    assert compare_main(["--reprice", str(alone), "--report_out", str(same), "--network", "lab=1Gbit/s,1ms",
+                         "--network", "consumer"]) == 0
+    assert not (alone / "runs").exists() and not (same / "runs").exists()  # nothing trained, nowhere
+    for name in ("comparison.csv", "runs.csv", "budgets.csv", "faults.csv", "merges.csv"):
+        assert read_csv(same / name) == read_csv(out / name), name
+    assert read_csv(same / "network.csv") == read_csv(out / "network.csv")  # the report's own measured throughput
+    big = tmp_path / "microllama_300m"
+    assert compare_main(["--reprice", str(alone), "--report_out", str(big), "--network", "lab=1Gbit/s,1ms",
+                         "--model_params", "3e8", "--node_throughput", "5000"]) == 0
+    small = tmp_path / "own_size"
+    assert compare_main(["--reprice", str(alone), "--report_out", str(small), "--network", "lab=1Gbit/s,1ms",
+                         "--node_throughput", "5000"]) == 0
+    share = {d.name: {r["variant"]: float(r["network_share"]) for r in read_csv(d / "network.csv")}
+             for d in (big, small)}
+    assert share["microllama_300m"]["diloco_b2"] > share["own_size"]["diloco_b2"]  # bytes x 300M / P, same compute
+    assert share["microllama_300m"]["adloco_no_merge"] == share["own_size"]["adloco_no_merge"] == 0  # sends nothing
+    assert read_csv(big / "comparison.csv") == read_csv(out / "comparison.csv")  # rounds, syncs, bytes: the runs'
+    assert (big / BUNDLE).is_file()  # a view is itself re-priceable
+    with pytest.raises(SystemExit, match="--model_params: give the throughput of that model too"):
+        compare_main(["--reprice", str(alone), "--report_out", str(big), "--model_params", "3e8"])
 
 
 def harness(out, cache_dir, *extra):
@@ -257,7 +298,8 @@ def damaged_finished_runs_are_refused_in_one_line(out, tmp_path, cache_dir):
         err = io.StringIO()
         with redirect_stderr(err):
             assert exit_on_input_error(lambda args=args: compare_main(args)) == 2, name
-        (line,) = err.getvalue().splitlines()
+        assert "Traceback" not in err.getvalue()
+        (line,) = [x for x in err.getvalue().splitlines() if x.startswith("error:")]  # beside tqdm's progress
         assert line.startswith(f"error: {copy / 'runs' / 'adloco_seed0'}: a finished run whose {file}"), line
         assert {p: p.read_bytes() for p in (copy / "runs").rglob("*") if p.is_file()} == before, name
 

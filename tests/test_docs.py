@@ -83,3 +83,33 @@ def test_command_lines_in_the_tools_help_keep_their_continuations():
         for line in module.__doc__.splitlines():
             if line.lstrip().startswith("python -m"):
                 assert not re.search(r"\S {5,}\S", line), (module.__name__, line)
+
+
+def test_the_tools_help_examples_never_write_into_the_committed_results():
+    """A command copied from --help must not overwrite a committed report (benchmarks/results/...)."""
+    import benchmarks.compare.options
+    import benchmarks.tune
+
+    for module in (benchmarks.compare.options, benchmarks.tune):
+        for line in module.__doc__.splitlines():
+            assert "--out benchmarks/results" not in line, (module.__name__, line)
+
+
+def test_licence_and_citation_exist_and_the_readme_names_them():
+    import yaml
+
+    licence = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in licence and "Version 2.0, January 2004" in licence and "END OF TERMS" in licence
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert citation["cff-version"] == "1.2.0" and citation["license"] == "Apache-2.0"
+    paper = citation["preferred-citation"]
+    assert paper["url"] == "https://arxiv.org/abs/2508.18182" and paper["authors"][0]["family-names"] == "Kutuzov"
+    readme = (ROOT / "README.md").read_text()
+    assert "[LICENSE](LICENSE)" in readme and "[CITATION.cff](CITATION.cff)" in readme
+
+
+def test_the_console_transcript_has_one_copy():
+    """The README holds the run's console lines; no other page keeps an older copy of them."""
+    assert "[outer 12/12]" in (ROOT / "README.md").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert "[outer 12/12]" not in page.read_text(), page.name

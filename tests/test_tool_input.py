@@ -197,3 +197,16 @@ def test_an_eta_that_cannot_grow_a_batch_is_warned_about():
     assert load_config(ROOT / "config.yaml", ["ETA=0.8"]).warnings() == []
     assert load_config(ROOT / "config.yaml", ["ETA=1.5", "sampling_method=augmented_inner_product_test"]
                        ).warnings() == []  # ETA is the norm test's
+
+
+def test_the_progress_bar_counts_the_rounds_a_budget_leaves():
+    """With max_tokens, the bar's total is the step at which the budget is reached at this round's tokens per round
+    (a trial that stops after 2 steps shows 2, not the config's 200)."""
+    from cluster.controller import last_step_expected
+
+    cfg = load_config(ROOT / "config.yaml", ["num_outer_steps=200", "max_tokens=1000"])
+    assert last_step_expected(cfg, 1, 500, 500) == 2  # 500 left at 500 a round: one more step
+    assert last_step_expected(cfg, 1, 400, 400) == 3  # 600 left: ceil(600 / 400) = 2 more
+    assert last_step_expected(cfg, 2, 1200, 600) == 2  # reached: this step is the last
+    assert last_step_expected(cfg, 1, 1, 1) == 200  # never past num_outer_steps
+    assert last_step_expected(load_config(ROOT / "config.yaml", ["num_outer_steps=12"]), 3, 10, 5) == 12

@@ -241,11 +241,15 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     out = tmp_path / "tune"
     assert tune_main(tune_args(out, cache_dir, "--trials", "1")) == 0
     capsys.readouterr()
-    assert tune_main(tune_args(out, cache_dir, "--trials", "1", "lr_outer=0.5", max_tokens=3000)) == 0
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1", "lr_outer=0.3", max_tokens=3000)) == 0
     said = capsys.readouterr().out
+    # progress per trial while it runs: started, then its value and the study's best so far
+    (started,) = [x for x in said.splitlines() if x.endswith("point 0: running; 0 of 1 finished, 1 running")]
+    (ended,) = [x for x in said.splitlines() if " point 0: " in x and "1 of 1 finished, 0 running; best so far" in x]
+    assert started.startswith("diloco_b2@") and ended.endswith("(point 0)")
     (line,) = [x for x in said.splitlines() if "a new study" in x]
     assert line.startswith("diloco_b2: a new study diloco_b2@") and "its 1 trials are not counted here" in line
-    assert "config.lr_outer: 0.7 -> 0.5" in line or "config.lr_outer" in line
+    assert "config.lr_outer: 0.5 -> 0.3" in line
     assert "config.max_tokens: 1500 -> 3000" in line
     storage = f"sqlite:///{out / 'studies.db'}"
     summaries = optuna.get_all_study_summaries(storage)

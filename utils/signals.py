@@ -76,6 +76,8 @@ class StopSignals:
         return signal_name(self.signum)
 
     def _handle(self, signum: int, frame) -> None:
+        if self.event.is_set() and signum == self.signum and parent_gone():
+            return  # the parent-death signal again: sent once per exiting thread of the dead tool, not a second stop
         if self.event.is_set():  # the second signal: no more waiting
             print(f"\n{signal_name(signum)} again: exiting now without a checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signum)
@@ -100,14 +102,22 @@ class StopSignals:
 
 
 PARENT_ENV = "ADLOCO_STOP_WITH_PARENT"  # set by a tool that runs run.py as its child: the tool's pid
+_parent: list[int] = []  # the tool's pid, once stop_with_parent armed the parent-death signal
+
+
+def parent_gone() -> bool:
+    """The tool that started this run has died (stop_with_parent armed, and this process was re-parented)."""
+    return bool(_parent) and os.getppid() != _parent[0]
 
 
 def stop_with_parent() -> None:
     """A child of a tool (benchmarks.compare / benchmarks.tune set PARENT_ENV to their pid): stop as on SIGTERM (a
     checkpoint, exit 143) when the tool dies, even by SIGKILL, which the tool cannot forward. The children run in
     sessions of their own (a Ctrl-C reaches the tool alone, which passes it on), so nothing else would end them:
-    Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does. Elsewhere nothing changes. Call it after the stop
-    handlers are installed: a tool that died before this ran ends the child at once."""
+    Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does. The kernel sends it once for each of the dead tool's
+    threads (the child is handed to the next live one first), so its repeats are one stop, not a second signal
+    (StopSignals._handle). Elsewhere nothing changes. Call it after the stop handlers are installed: a tool that
+    died before this ran ends the child at once."""
     parent = os.environ.pop(PARENT_ENV, None)  # not inherited by this run's own children
     if not parent or not sys.platform.startswith("linux"):
         return
@@ -118,5 +128,6 @@ def stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     except (OSError, AttributeError):  # no prctl (a libc without it): the tool's own forwarding is all there is
         return
-    if str(os.getppid()) != parent:  # the tool died before the prctl: its signal is lost, so send it now
+    _parent[:] = [int(parent)]
+    if parent_gone():  # the tool died before the prctl: its signal is lost, so send it now
         os.kill(os.getpid(), signal.SIGTERM)

@@ -20,6 +20,7 @@ if str(ROOT) not in sys.path:
 from tqdm import tqdm  # noqa: E402
 
 from algorithms.clock import ThroughputCurve  # noqa: E402
+from benchmarks.compare import bundle  # noqa: E402
 from benchmarks.compare.options import Options, build_parser, cluster_overrides, made, parse_networks  # noqa: E402
 from benchmarks.compare.reader import first_reaching, ran_shapes, read_run, value_at  # noqa: E402
 from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     stops = honoured((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))  # a SIGHUP nohup ignored stays ignored
     previous = {signum: signal.signal(signum, raise_interrupted) for signum in stops}
     try:
-        return compare(args)
+        return reprice(args) if args.reprice else compare(args)
     except Interrupted as stopped:  # SIGINT / SIGTERM / SIGHUP: the running child was stopped too
         print(f"stopped by {signal.Signals(stopped.signum).name}: the running variant was stopped too; run the same "
               "command again to go on (finished runs are reused)", file=sys.stderr)
@@ -55,6 +56,45 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def bundled(args: Options) -> dict:
+    """The options a bundle keeps: the harness's, its config named relative to the repository when inside it."""
+    options = dataclasses.asdict(args)
+    config = Path(args.config).resolve()
+    options["config"] = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else args.config
+    return options
+
+
+def reprice(args: Options) -> int:
+    """--reprice REPORT: the report's runs read from its replay bundle and every table written again into
+    --report_out on this command's pricing options (networks, throughput, model size); nothing trains."""
+    with bundle.Bundle.open(Path(args.reprice)) as packed:
+        own = {k: getattr(args, k) for k in bundle.PRICING_OPTIONS}
+        stored = {f.name: packed.options.get(f.name, getattr(args, f.name)) for f in dataclasses.fields(Options)}
+        options = Options.from_parsed({**stored, **{k: list(v) if isinstance(v, tuple) else v for k, v in own.items()},
+                                       "reprice": "", "cluster": "", "out": args.reprice})
+        options = dataclasses.replace(options, overrides=tuple(stored["overrides"]), reprice=args.reprice)
+        parse_networks(options)
+        config = Path(options.config) if Path(options.config).is_absolute() else ROOT / options.config
+        try:
+            base = load_config(config, list(options.overrides))
+        except UserError as exc:
+            raise SystemExit(f"error: --reprice {args.reprice}: the report's config: {exc}") from None
+        results: dict[str, list[dict]] = {}
+        for entry in packed.runs:
+            run = read_run(packed.run_dir(entry))
+            results.setdefault(entry["variant"], []).append(
+                {**run, "seed": entry["seed"], "family": entry["family"], "constant_batch": entry["constant_batch"]})
+        report_out = made(Path(args.report_out), "--report_out")
+        print(write_outputs(summarise(results, base, options), results, options, report_out, packed.faults))
+        run_dirs = {e["run"]: packed.run_dir(e) for e in packed.runs}
+        run_dirs.update({f"{f['variant']}_seed{f['seed']}": packed.folder / f"{f['variant']}_seed{f['seed']}"
+                         for f in packed.faults})
+        bundle.write(report_out, results, packed.faults, {**packed.options, **own, "reprice": ""}, run_dirs)
+    print(f"re-priced {sum(len(rs) for rs in results.values())} runs of {args.reprice} into {report_out} (nothing "
+          "trained)")
+    return 0
 
 
 def compare(args: Options) -> int:
@@ -121,4 +161,9 @@ def compare(args: Options) -> int:
     report_out = Path(args.report_out) if args.report_out else out
     made(report_out, "--report_out" if args.report_out else "--out")
     print(write_outputs(summarise(results, base, args), results, args, report_out, faults))
+    run_dirs = {Path(r["run_dir"]).name: Path(r["run_dir"]) for rs in results.values() for r in rs}
+    run_dirs.update({f"{f['variant']}_seed{f['seed']}": out / "runs" / f"{f['variant']}_seed{f['seed']}"
+                     for f in faults})
+    packed = bundle.write(report_out, results, faults, bundled(args), run_dirs)
+    print(f"replay bundle (re-price it without retraining: --reprice {report_out}): {packed}")
     return 0

@@ -1,10 +1,10 @@
 """Does AdLoCo help? AdLoCo against DiLoCo baselines, LocalSGD and ablations, at matched budgets.
 
-    python -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 3 --out benchmarks/results/compare
+    python -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 3 --out logs/compare
 
     # the paper's regime: one shared pretrained start, then every variant fine-tunes it with a small lr
     python -m benchmarks.compare --config configs/compare_warm_cpu.yaml --pretrain_config configs/pretrain_cpu.yaml \\
-        --seeds 3 --out benchmarks/results/compare_warm
+        --seeds 3 --out logs/compare_warm
 
 Every variant trains on the same data, model and seeds, with the same token budget, as a separate `run.py`
 process. The budget and --max_outer_steps: every run stops at the first outer step where it has seen
@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -110,13 +111,15 @@ class Options:
     throughput_curve: str
     no_statistics: bool
     add_variant: tuple[str, ...]  # NAME=[BASE:]KEY=VALUE ...: variants from the command line (variants.custom)
+    reprice: str  # a report's folder: its replay bundle re-priced, nothing trained (bundle.py)
+    model_params: float  # the network model's model size (parameters); 0: the runs' own
     overrides: tuple[str, ...]  # run.py overrides for every variant: --cluster's first, then the command line's
     warm_from: str = ""  # the warm start's model directory, as the report shows it
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> Options:
         options = cls.from_parsed(vars(build_parser().parse_args(argv)))
-        if options.seeds < 1:  # the harness's own call: seeds to run (benchmarks.tune's 0 means no finalists)
+        if options.seeds < 1 and not options.reprice:  # seeds to run (benchmarks.tune's 0 means no finalists)
             raise SystemExit(f"error: --seeds: {options.seeds}; give at least 1 (each variant runs on seeds 0..S-1)")
         return options
 
@@ -129,6 +132,14 @@ class Options:
         if not all(b.strip().isdigit() and int(b) > 0 for b in args["diloco_batches"].split(",") if b):
             raise SystemExit(f"error: --diloco_batches: {args['diloco_batches']!r} is not a comma-separated list of "
                              "positive whole numbers (e.g. 2,4,8,16)")
+        if args["model_params"] and not (args["throughput_curve"] or args["node_throughput"]):
+            raise SystemExit("error: --model_params: give the throughput of that model too (--throughput_curve FILE or "
+                             "--node_throughput TOKENS_S); the runs' own measured tokens/s is their model's")
+        if not (math.isfinite(args["model_params"]) and args["model_params"] >= 0):
+            raise SystemExit(f"error: --model_params: {args['model_params']} is not a number of parameters")
+        if args["reprice"] and not args["report_out"]:
+            raise SystemExit(f"error: --reprice {args['reprice']}: give --report_out, the folder of the re-priced "
+                             "report (the report itself is never overwritten)")
         if args["seeds"] < 0:
             raise SystemExit(f"error: --seeds: {args['seeds']} is negative")
         for flag in ("out", "report_out"):
@@ -195,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a variant of your own (repeatable), run beside --variants: BASE's overrides (an existing "
                    "variant; its family too) then these, whitespace-separated; e.g. "
                    "'paper_eta07=adloco_paper:ETA=0.7'")
+    p.add_argument("--reprice", default="", metavar="REPORT_DIR", help="re-price a finished report from its replay "
+                   "bundle (REPORT_DIR/replay_bundle.tar.gz) on --network, --throughput_curve, --model_params ...: "
+                   "nothing trains; every other option is the report's own; the tables go to --report_out")
+    p.add_argument("--model_params", type=float, default=0.0, help="network model: price every run's traffic as if "
+                   "the model had this many parameters (fp32, 4 bytes each): the weights' all-reduce, compressed "
+                   "payloads, merges, node moves and full-size batch-test statistics scale with it; sketched "
+                   "statistics, rounds, syncs and each run's trajectory (batches, merges) stay the run's; give that "
+                   "model's --throughput_curve or --node_throughput")
     p.add_argument("overrides", nargs="*", help="run.py key=value overrides applied to every variant, after "
                    "--config (e.g. lr_inner=1e-3 num_inner_steps=10); each variant's own keys come after them")
     return p

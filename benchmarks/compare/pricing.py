@@ -151,7 +151,8 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
     nets, crossover_latency = parse_networks(args)
     runs = [r for rs in results.values() for r in rs]
     for r in runs:
-        r["rounds_work"], r["weight_bytes"], _ = replay.read_rounds(r["run_dir"], statistics=not args.no_statistics)
+        r["rounds_work"], r["weight_bytes"], _ = replay.read_rounds(
+            r["run_dir"], statistics=not args.no_statistics, model_bytes=int(4 * args.model_params) or None)
     measured = sum(r["curve"][-1]["tokens"] for r in runs) / max(sum(r["curve"][-1]["wall"] for r in runs), 1e-9)
     throughput = ThroughputCurve.load(args.throughput_curve) if args.throughput_curve else \
         args.node_throughput or measured

@@ -1,7 +1,7 @@
 """Every method tuned alike: one Optuna study per variant, the same quasi-random points, the same number of trials.
 
     python -m benchmarks.tune --config configs/compare_cpu.yaml --max_tokens 610427 --trials 6 --workers 2 \\
-        --variants diloco_b2,diloco_b4,adloco --seeds 5 --out benchmarks/results/tune
+        --variants diloco_b2,diloco_b4,adloco --seeds 5 --out logs/tune
 
 Each variant is tuned in its own study over its own search space (declared beside it in
 benchmarks/compare/variants.py: lr_inner log-uniform for every method; lr_outer and outer momentum for the Nesterov
@@ -260,6 +260,7 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             if claimed is None:
                 break
             trial, point = claimed
+            print(f"{study.study_name} point {point}: running; {progress(study, tuning.trials)}", flush=True)
             params = {key: trial.suggest_float(key, d.low, d.high, log=d.log)
                       for key, d in distributions(chosen[name].search, study.sampler.cfg).items()}
             alive = threading.Event()
@@ -289,12 +290,26 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             if run_dir is None:  # a training fault (a non-finite loss, ...): a finished trial, the worst value
                 trial.set_user_attr("note", failed)
                 study.tell(trial, -math.inf if study.direction.name == "MAXIMIZE" else math.inf)
+                print(f"{study.study_name} point {point}: a training fault; {progress(study, tuning.trials)}",
+                      flush=True)
                 continue
             value, reached = value_at(read_run(run_dir)["curve"], "tokens", args.max_tokens)
             trial.set_user_attr("run_dir", str(run_dir))
             if not reached:
                 trial.set_user_attr("note", "ended below the token budget: its last value")
             study.tell(trial, value)
+            print(f"{study.study_name} point {point}: {value:.4g}; {progress(study, tuning.trials)}", flush=True)
+
+
+def progress(study: optuna.Study, trials: int) -> str:
+    """A study's progress in words: finished and running trials, and the best finished value so far."""
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if "point" in t.user_attrs]
+    finite = [t for t in done if t.value is not None and math.isfinite(t.value)]
+    pick = max if study.direction.name == "MAXIMIZE" else min
+    best = pick(finite, key=lambda t: t.value) if finite else None
+    return (f"{len(done)} of {trials} finished, {len(running)} running" +
+            (f"; best so far {best.value:.4g} (point {best.user_attrs.get('point')})" if best else ""))
 
 
 def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], storage: optuna.storages.BaseStorage,
