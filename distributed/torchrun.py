@@ -17,6 +17,7 @@ from typing import Any
 
 from utils.config import PER_MACHINE_KEYS, Config
 from utils.errors import ConfigError, UserError
+from utils.typed_yaml import flatten
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def agree(what: str, mine: dict[str, Any], advice: str) -> None:
 def agree_on_config(cfg: Config) -> None:
     """Ranks train in lockstep from one config: a different lr_inner or seed on one machine is refused."""
     resolved = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE_KEYS}
-    agree("configurations", {**_flatten(resolved), "config_hash": cfg.meaning_hash()},
+    agree("configurations", {**flatten(resolved), "config_hash": cfg.meaning_hash()},
           "start every machine with the same config file and key=value overrides")
 
 
@@ -146,14 +147,6 @@ def agree_on_data(fingerprint: dict[str, Any]) -> None:
     agree("data", fingerprint, "give every machine the same corpus (cache_dir / c4 paths) and tokenizer")
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def record_cause(rank: int, line: str) -> None:

@@ -139,6 +139,17 @@ def parse_overrides(overrides: list[str], keep_text: bool = False) -> dict[str, 
     return result
 
 
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as one level of dotted keys, as overrides name them ({"a": {"b": 1}} -> {"a.b": 1})."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _deep_update(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):

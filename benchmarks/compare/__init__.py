@@ -59,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bundled(args: Options) -> dict:
-    """The options a bundle keeps: the harness's, its config named relative to the repository when inside it."""
+    """The options a bundle keeps: the harness's, with the paths inside the repository relative to it (a committed
+    bundle names no machine's folders)."""
     options = dataclasses.asdict(args)
-    config = Path(args.config).resolve()
-    options["config"] = str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else args.config
+    for key in ("config", "out", "report_out", "pretrain_config", "init_from", "cluster", "throughput_curve"):
+        path = Path(options[key]).resolve() if options[key] else None
+        if path is not None and path.is_relative_to(ROOT):
+            options[key] = str(path.relative_to(ROOT))
     return options
 
 

@@ -204,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="network model: leave out the batch test's statistics (the weights traffic only)")
     p.add_argument("--add_variant", action="append", default=[], metavar="NAME=[BASE:]KEY=VALUE ...",
                    help="a variant of your own (repeatable), run beside --variants: BASE's overrides (an existing "
-                   "variant; its family too) then these, whitespace-separated; e.g. "
-                   "'paper_eta07=adloco_paper:ETA=0.7'")
+                   "variant; its family too) then these, whitespace-separated (a value may hold spaces: a word "
+                   "that starts no KEY= joins the value before it); quote the whole option once, e.g. "
+                   "'paper_eta07=adloco_paper:ETA=0.7' or 'churn=diloco_b2:node_schedule=[{node: 1, leave: 2}]'")
     p.add_argument("--reprice", default="", metavar="REPORT_DIR", help="re-price a finished report from its replay "
                    "bundle (REPORT_DIR/replay_bundle.tar.gz) on --network, --throughput_curve, --model_params ...: "
                    "nothing trains; every other option is the report's own; the tables go to --report_out")

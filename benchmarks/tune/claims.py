@@ -24,6 +24,8 @@ import optuna
 import psutil
 from optuna.trial import FrozenTrial, TrialState
 
+from utils.typed_yaml import flatten
+
 HEARTBEAT_S = 30.0  # how often a trial in flight says it is alive
 GRACE_S = 300.0  # a trial in flight silent this long (its machine gone) is failed, and its point freed
 LABEL_WAIT_S = 60.0  # a lower-numbered trial unlabelled this long after it started lost its owner before deciding
@@ -122,19 +124,9 @@ def variant_of(summary: optuna.study.StudySummary) -> str:
 
 def differences(had: dict, now: dict) -> list[str]:
     """'key: was -> now' for each value two identities differ in (nested keys dotted)."""
-    flat_had, flat_now = _flat(had), _flat(now)
+    flat_had, flat_now = flatten(had), flatten(now)
     return [f"{k}: {flat_had.get(k, '(absent)')!r} -> {flat_now.get(k, '(absent)')!r}"
             for k in sorted(set(flat_had) | set(flat_now)) if flat_had.get(k) != flat_now.get(k)]
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity) -> list[str]:
