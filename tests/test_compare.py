@@ -12,7 +12,7 @@ import yaml
 
 from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
-from benchmarks.compare.batches import along_training, critical_batch, grows, series_of
+from benchmarks.compare.batches import along_training, grows, series_of, token_optimal
 from benchmarks.compare.variants import catalogue, custom
 from benchmarks.replay import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
@@ -37,46 +37,46 @@ def test_value_at_interpolates_between_neighbours_and_flags_short_runs():
     assert value_at(curve, "tokens", 30) == (1.0, False)  # ended below the budget: its last value
 
 
-def test_the_critical_batch_against_linear_scaling_by_hand():
-    # batch 2 reaches the target at step 100: linear scaling gives 50 steps at 4, 25 at 8, 12.5 at 16 (x1.2: 60, 30)
-    assert critical_batch([(2, 100, 500), (4, 60, 250), (8, 31, 125), (16, 10, 62)]) == (
-        4, "between 4 and 8: batch 8 needs 31 steps, 1.24x linear scaling from batch 2")  # 16 would pass: not counted
-    assert critical_batch([(2, 100, 500), (4, 55, 250)]) == (
-        4, ">= 4: the largest batch of the sweep still scales within 20%")
-    # never reached, in more steps than linear scaling's bound allows: beyond
-    assert critical_batch([(2, 100, 500), (4, None, 250)]) == (
-        2, "between 2 and 4: batch 4 did not reach it in its 250 steps, 5.00x linear scaling from batch 2")
-    # never reached, but its run ended before the bound (30 steps at batch 8): undecided, a lower bound
-    assert critical_batch([(2, 100, 500), (4, 50, 250), (8, None, 28)]) == (
-        4, ">= 4; batch 8 is undecided: its run ended at 28 steps, before 1.2x linear scaling from batch 2 (30)")
-    assert critical_batch([(2, None, 500), (4, None, 250)])[0] is None
-    assert critical_batch([(2, 100, 500)])[0] is None
+def test_the_critical_batch_where_tokens_are_fewest_by_hand():
+    # tokens to the target: U-shaped with the fewest at batch 4 (900); within 20% (1080): 2, 4, 8; 16 needs 1500
+    assert token_optimal([(1, 2000), (2, 1000), (4, 900), (8, 1050), (16, 1500)]) == (
+        8, "8: token-optimal batch 4 (900 tokens); within 20%: 2, 4, 8")
+    # the sweep's largest batch still within 20%: a lower bound
+    assert token_optimal([(1, 2000), (2, 1000), (4, 950)]) == (
+        4, ">= 4: token-optimal batch 4 (950 tokens); within 20%: 2, 4 (the sweep's largest batch is within 20%: a "
+           "lower bound)")
+    # a batch that never reached the target (within its budget) is beyond it
+    assert token_optimal([(2, 1000), (4, 1100), (8, None)])[0] == 4
+    assert token_optimal([(2, None), (4, None)])[0] is None and token_optimal([(2, 100)])[0] is None
 
 
 def test_the_critical_batch_along_training_per_sweep():
+    """Five targets along training, each the best value any batch of the sweep reached (every seed) by 20%, 35%,
+    50%, 65% and 80% of the budget; at each, every batch's tokens to it and the token-optimal rule."""
     def runs(batch, points):  # (tokens, steps, metric)
         return [{"curve": [{"tokens": t, "steps": s, "metric": m} for t, s, m in points], "constant_batch": batch}]
 
-    tokens = [0, 200, 500, 800, 1000]
-    b2 = runs(2, zip(tokens, [0, 100, 250, 400, 500], [100, 50, 20, 10, 8]))  # the targets: 50, 20, 10
+    tokens = [0, 200, 400, 600, 800, 1000]
     results = {
-        "diloco_b2": b2,
-        # batch 4: 125 steps to 50 (2.5x linear), 125 to 20 (1.0x), 200 to 10 (1.0x)
-        "diloco_b4": runs(4, zip(tokens, [0, 50, 125, 200, 250], [100, 60, 20, 10, 9])),
-        "diloco_b2_tuned": b2,
-        "diloco_b4_tuned": runs(4, zip(tokens, [0, 50, 125, 200, 250], [100, 50, 20, 10, 8])),  # linear throughout
-        "adloco": runs(0, zip(tokens, [0, 100, 250, 400, 500], [100, 40, 15, 9, 7])),  # not a sweep
+        # batch 2 learns fastest per token early; batch 4 catches up and passes it late
+        "diloco_b2": runs(2, zip(tokens, [0, 100, 200, 300, 400, 500], [100, 50, 30, 25, 22, 20])),
+        "diloco_b4": runs(4, zip(tokens, [0, 50, 100, 150, 200, 250], [100, 60, 30, 20, 15, 12])),
+        "adloco": runs(0, zip(tokens, [0, 100, 200, 300, 400, 500], [100, 40, 15, 9, 7, 6])),  # not a sweep
     }
     assert series_of("diloco_nesterov_b16_tuned") == "diloco_nesterov_tuned" and series_of("b4_mine") == "b4_mine"
     rows = along_training(results, 1000, higher=False)
-    assert [(r["sweep"], r["when"], r["target"], r["critical_batch"]) for r in rows] == [
-        ("diloco", "early", 50, 2), ("diloco", "middle", 20, 4), ("diloco", "late", 10, 4),
-        ("diloco_tuned", "early", 50, 4), ("diloco_tuned", "middle", 20, 4), ("diloco_tuned", "late", 10, 4)]
-    assert grows(rows) == [
-        "diloco: the critical batch grows along training (2 -> 4 -> 4, early to late) (a lower bound where the "
-        "sweep's largest batch still scaled or was undecided)",
-        "diloco_tuned: the critical batch does not grow along training (4 -> 4 -> 4, early to late) (a lower bound "
-        "where the sweep's largest batch still scaled or was undecided)"]
+    assert [r["when"] for r in rows] == ["20%", "35%", "50%", "65%", "80%"]
+    # at 20% (200 tokens) the best is b2's 50 (b4 is at 60): b2 reaches it at 200 tokens, b4 at its first point at
+    # or below it, 400 > 1.2 x 200: critical batch 2
+    first = rows[0]
+    assert (first["target"], first["tokens_by_batch"], first["critical_batch"]) == (50, "2: 200; 4: 400", 2)
+    # at 80% (800 tokens) the best is b4's 15: b2 never reaches it, b4 at 800 -> critical 4 (the largest: a bound)
+    last = rows[-1]
+    assert (last["target"], last["tokens_by_batch"], last["critical_batch"]) == (15, "2: not reached; 4: 800", 4)
+    assert last["in_words"].startswith(">= 4: token-optimal batch 4")
+    (sentence,) = grows(rows)
+    assert sentence.startswith("diloco: the critical batch grows along training (2 -> ")
+
     # a tuned variant from the command line keeps its base's batch: it joins its own sweep, not the untuned one
     known = catalogue(load_config(ROOT / "config.yaml"), [2, 4], 1e-3)
     added = custom(("diloco_b4_tuned=diloco_b4:lr_inner=0.001",), known)
@@ -95,7 +95,8 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
                        "--add_variant", "mine=adloco_paper:ETA=0.5 merge_frequency=1", "--add_variant", BROKEN])
     assert rc == 0
     table = {r["variant"]: r for r in read_csv(out / "comparison.csv")}
-    assert set(table) == {"adloco", "adloco_paper", "adloco_no_adaptive", "adloco_no_merge", "adloco_no_switch",
+    assert set(table) == {"adloco", "adloco_paper", "adloco_no_adaptive", "adloco_no_merge", "adloco_never_accumulate",
+                          "adloco_always_accumulate",
                           "diloco_b2", "diloco_b4", "diloco_rampup", "localsgd", "ddp", "snoo", "mine"}
     # a variant from the command line: its base's overrides, then its own
     mine = load_config(out / "runs" / "mine_seed0" / "config.yaml")
@@ -106,7 +107,8 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     assert float(table["adloco_no_merge"]["merges"]) == 0 and float(table["diloco_b2"]["merges"]) == 0
     assert table["adloco_no_adaptive"]["max_requested_batch"] == "3"  # constant batch
     assert int(table["adloco"]["max_requested_batch"]) > 3
-    assert table["adloco_no_switch"]["max_accumulation"] == "1" and int(table["adloco"]["max_accumulation"]) > 1
+    assert table["adloco_never_accumulate"]["max_accumulation"] == "1" and int(table["adloco"]["max_accumulation"]) > 1
+    assert int(table["adloco_always_accumulate"]["max_accumulation"]) > 1
     # the constant-batch sweep is labelled with what really ran (max batch 2): B = loader x accumulation
     assert (table["diloco_b2"]["ran"], table["diloco_b4"]["ran"]) == ("2x1", "2x2")
     # the warmup ramps from the initial batch 3 to max_requested_batch 6 over the token budget
@@ -650,10 +652,14 @@ def test_the_paper_ablations_are_the_paper_variant_with_one_component_off():
     known = catalogue(load_config(ROOT / "configs" / "compare_cpu.yaml"), [1, 2, 4, 8, 16], 0.3)
     assert known["adloco_paper_no_adaptive"].overrides == (*PAPER, "sampling_method=constant")
     assert known["adloco_paper_no_merge"].overrides == (*PAPER, "merge_frequency=0")
-    assert known["adloco_paper_no_switch"].overrides == (*PAPER, "switch_mode=only_gradient_accumulation")
+    assert known["adloco_paper_always_accumulate"].overrides == (*PAPER, "switch_mode=only_gradient_accumulation")
+    assert known["adloco_paper_never_accumulate"].overrides == (*PAPER, "switch_mode=only_data_loader")
+    with pytest.raises(SystemExit, match="adloco_no_switch had two meanings .* renamed: adloco_never_accumulate"):
+        select(known, "adloco_no_switch", "2,4", False)
     paper = select(known, "paper", "1,2,4,8,16", False)
     assert set(paper) == {"adloco_paper", "adloco_paper_no_adaptive", "adloco_paper_no_merge",
-                          "adloco_paper_no_switch", "diloco_b1", "diloco_b2", "diloco_b4", "diloco_b8", "diloco_b16"}
+                          "adloco_paper_always_accumulate", "adloco_paper_never_accumulate", "diloco_b1", "diloco_b2",
+                          "diloco_b4", "diloco_b8", "diloco_b16"}
     assert not set(select(known, "all", "1,2,4,8,16", False)) & {"adloco_paper_no_merge"}  # all: as before
     assert set(select(known, "paper,ddp", "1,2,4,8,16", False)) == set(paper) | {"ddp"}  # groups and names mix
 
@@ -718,7 +724,12 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
     assert "on the runs' clock: re-priced on cross-region (1 Gbit/s, 50 ms), curve h100.json)" in "\n".join(
         seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path))
     # and against the best constant batch at the budget, chosen after the fact: b4 (80.5 on average, b2 105)
-    assert "Against the best constant batch at the budget (diloco_b4," in text
+    assert "Against the best constant batch at the budget (diloco_b4), chosen after the fact" in text
+    # declared primary comparisons first (none here: no tuned-batch DiLoCo, adloco_paper's b1 absent; adloco vs b2
+    # is one), then every other comparison with Holm's correction over all of them
+    assert text.index("### Primary comparisons") < text.index("### Every other comparison (Holm-corrected")
+    assert "| adloco | diloco_b2 | 2 |" in text.split("### Every other")[0] and "only 2 seeds (< 10)" in text
+    assert "holm_p" in text and "holm_established" in text
     best = {r["variant"]: r for r in seeds.paired_rows(seeds.run_rows(results, 4000, targets, False), "diloco_b4")}
     assert best["adloco"]["mean_difference"] == pytest.approx(10.0)  # 90 - 80 and 91 - 81
     assert best["diloco_b2"]["mean_difference"] == pytest.approx(24.5) and not best["adloco"]["interval_contains_0"]
@@ -808,3 +819,31 @@ def test_one_target_drives_every_table_and_the_crossover_reads_families_not_name
     assert row["adloco_vs_best_diloco"] == 24.0 / 40.0 and row["time_diloco_b4"] is None
     assert crossover_row({"diloco_b2": None}, families) is None
     assert crossover_row({"diloco_b2": 5.0, "ddp": 4.0}, families)["adloco_vs_best_diloco"] is None
+
+
+def test_paired_p_values_and_holms_correction_by_hand():
+    from benchmarks.compare.seeds import holm, paired_p
+
+    # differences 1, 2, 3: mean 2, sd 1, t = 2 / (1 / sqrt 3) = 3.4641 on 2 degrees of freedom: p = 0.07418
+    assert paired_p([1.0, 2.0, 3.0]) == pytest.approx(0.074180, abs=1e-6)
+    assert paired_p([1.0]) != paired_p([1.0])  # nan: one pair has no test
+    rows = holm([{"p_value": 0.04}, {"p_value": 0.01}, {"p_value": 0.03}])
+    # sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> non-decreasing: 0.03, 0.06, 0.06
+    assert [r["holm_p"] for r in rows] == pytest.approx([0.06, 0.03, 0.06])
+    assert [r["holm_established"] for r in rows] == [False, True, False]
+
+
+def test_the_primary_comparisons_are_the_paper_pairs_the_report_holds(tmp_path):
+    from benchmarks.compare.seeds import primary_pairs
+
+    def runs(name, batch):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(f"initial_batch_size: {batch}\n")
+        return [{"run_dir": str(tmp_path / name)}]
+
+    results = {"adloco_paper": runs("adloco_paper", 1), "adloco": runs("adloco", 2), "diloco_b1": runs("diloco_b1", 1),
+               "diloco_b2": runs("diloco_b2", 2), "diloco_tuned_batch": runs("diloco_tuned_batch", 4),
+               "adloco_paper_tuned": runs("adloco_paper_tuned", 2), "diloco_b2_tuned": runs("diloco_b2_tuned", 2)}
+    assert primary_pairs(results) == [("adloco_paper_tuned", "diloco_b2_tuned"),
+                                      ("adloco_paper_tuned", "diloco_tuned_batch"),
+                                      ("adloco", "diloco_b2"), ("adloco", "diloco_tuned_batch")]

@@ -16,20 +16,21 @@ import pytest
 from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
+from benchmarks.tune import edges, write_trials
 from benchmarks.tune import main as tune_main
-from benchmarks.tune import write_trials
 from benchmarks.tune.claims import open_storage, open_study, variant_of
-from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, point_params, unit_point
+from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
 
 SMALL = [o for o in TINY if not o.startswith(("num_outer_steps", "merge_frequency"))]
 
 
-def tune_args(out, cache_dir, *extra, max_tokens=1500):
+def tune_args(out, cache_dir, *extra, max_tokens=1500, seeds="1000"):
+    """One tuning seed unless asked (the tool's default is two: 1000,1001), to keep the tests short."""
     return ["--config", str(ROOT / "config.yaml"), "--max_tokens", str(max_tokens), "--max_outer_steps", "400",
-            "--variants", "diloco_b2", "--diloco_batches", "2", "--out", str(out), *extra, *SMALL,
-            f"cache_dir={cache_dir}", "max_batch_size=2"]
+            "--variants", "diloco_b2", "--diloco_batches", "2", "--out", str(out), "--tuning_seed", seeds, *extra,
+            *SMALL, f"cache_dir={cache_dir}", "max_batch_size=2"]
 
 
 def trials_of(storage, name="diloco_b2"):
@@ -60,11 +61,62 @@ def test_points_are_one_halton_sequence_mapped_onto_each_space():
     assert Knob("x", 1.0, 2.0).bounds(cfg) == (1.0, 2.0)
 
 
+def test_each_study_draws_its_own_points_and_searches_its_knobs_jointly():
+    """Two studies with the same space draw different points (each its own scrambling, from its variant's name, the
+    same on every machine); within one, the trials near any lr inside the range (within a factor of 2) meet at least
+    3 values of every other knob, discrete ones included: AdLoCo's 4 knobs at 32 trials, 2-4 knobs at 16."""
+    cfg = load_config(ROOT / "config.yaml", ["lr_inner=0.003"])
+    known = catalogue(cfg, [1, 2, 4, 8, 16], 0.3)
+    assert design_seed("adloco") == design_seed("adloco") != design_seed("adloco_never_accumulate")
+    space = known["adloco"].search
+    a = [point_params(i, space, cfg, design_seed("adloco")) for i in range(16)]
+    b = [point_params(i, space, cfg, design_seed("adloco_never_accumulate")) for i in range(16)]
+    assert {p["lr_inner"] for p in a}.isdisjoint({p["lr_inner"] for p in b})
+    for name, trials in (("adloco", 32), ("adloco_never_accumulate", 32), ("adloco_paper", 32),
+                         ("diloco_tuned_batch", 16), ("snoo_tuned_batch", 16), ("diloco_nesterov_b4", 16)):
+        space = known[name].search
+        points = [point_params(i, space, cfg, design_seed(name)) for i in range(trials)]
+        for knob in space:
+            if knob.choices:
+                assert {p[knob.key] for p in points} == set(knob.choices), (name, knob.key)
+        low, high = LR_INNER.bounds(cfg)
+        for centre in (p for p in points if 2 * low <= p["lr_inner"] <= high / 2):
+            near = [p for p in points if 0.5 <= p["lr_inner"] / centre["lr_inner"] <= 2]
+            for knob in space[1:]:
+                assert len({p[knob.key] for p in near}) >= 3, (name, knob.key, centre)
+
+
+def test_a_best_point_on_an_edge_is_flagged(tmp_path):
+    storage = open_storage(str(tmp_path / "studies.journal"), tmp_path)
+    lr = optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
+    batch = optuna.distributions.CategoricalDistribution((1, 2, 4))
+    study = open_study("diloco_tuned_batch", storage, "minimize", PointSampler((LR_INNER,), {}))
+    for i, (value_lr, value_b, objective) in enumerate([(9e-3, 2, 100.0), (1e-3, 2, 200.0), (3e-4, 4, 300.0)]):
+        study.add_trial(optuna.trial.create_trial(params={"lr_inner": value_lr, "initial_batch_size": value_b},
+                                                  distributions={"lr_inner": lr, "initial_batch_size": batch},
+                                                  value=objective, user_attrs={"point": i}))
+    assert edges(study) == {0: "lr_inner 0.009: the top tenth of its range"}  # log10 9e-3 is 0.98 of the way
+    study.add_trial(optuna.trial.create_trial(params={"lr_inner": 5e-3, "initial_batch_size": 4},
+                                              distributions={"lr_inner": lr, "initial_batch_size": batch},
+                                              value=50.0, user_attrs={"point": 3}))
+    assert edges(study) == {3: "initial_batch_size 4: its largest choice"}  # 5e-3 lies inside; 9e-3 was sampled
+    study.add_trial(optuna.trial.create_trial(params={"lr_inner": 2e-3, "initial_batch_size": 2},
+                                              distributions={"lr_inner": lr, "initial_batch_size": batch},
+                                              value=10.0, user_attrs={"point": 4}))
+    assert edges(study) == {}  # inside the range, between sampled values, a middle choice
+
+
 def test_every_method_has_a_search_space_and_the_nesterov_baseline_is_dilocos_standard_outer_step():
     base = load_config(ROOT / "config.yaml", [])
     known = catalogue(base, [2, 4], 0.3)
     assert all(v.search and v.search[0].key == "lr_inner" for v in known.values())
-    assert [k.key for k in known["adloco_paper"].search] == ["lr_inner", "ETA"]
+    assert [k.key for k in known["adloco_paper"].search] == ["lr_inner", "ETA", "merge_frequency",
+                                                             "initial_batch_size"]
+    assert [k.key for k in known["adloco_no_merge"].search] == ["lr_inner", "ETA", "initial_batch_size"]
+    tuned_batch = known["diloco_tuned_batch"]
+    assert tuned_batch.group == "tuned_batch" and tuned_batch.search[-1].choices == (2, 4)
+    assert [k.key for k in known["snoo_tuned_batch"].search] == ["lr_inner", "lr_outer", "outer_momentum",
+                                                                 "initial_batch_size"]
     assert [k.key for k in known["snoo"].search] == ["lr_inner", "lr_outer", "outer_momentum"]
     nesterov = known["diloco_nesterov_b4"]
     assert nesterov.group == "nesterov" and nesterov.family == "diloco"
@@ -239,7 +291,11 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     own point 0 runs, a line names what differs); then the first call again (its study holds its trial: nothing
     runs). trials.csv says which study each row belongs to."""
     out = tmp_path / "tune"
-    assert tune_main(tune_args(out, cache_dir, "--trials", "1")) == 0
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1", seeds="1000,1001")) == 0
+    (first,) = trials_of(f"sqlite:///{out / 'studies.db'}")  # two tuning seeds: the objective is their mean
+    per_seed = first.user_attrs["per_seed"]
+    assert len(per_seed) == 2 and first.value == pytest.approx(sum(per_seed) / 2)
+    assert [d.rsplit("_", 1)[1] for d in first.user_attrs["run_dirs"]] == ["seed1000", "seed1001"]
     capsys.readouterr()
     assert tune_main(tune_args(out, cache_dir, "--trials", "1", "lr_outer=0.3", max_tokens=3000)) == 0
     said = capsys.readouterr().out
@@ -250,7 +306,7 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     (line,) = [x for x in said.splitlines() if "a new study" in x]
     assert line.startswith("diloco_b2: a new study diloco_b2@") and "its 1 trials are not counted here" in line
     assert "config.lr_outer: 0.5 -> 0.3" in line
-    assert "config.max_tokens: 1500 -> 3000" in line
+    assert "config.max_tokens: 1500 -> 3000" in line and "tuning_seeds" in line
     storage = f"sqlite:///{out / 'studies.db'}"
     summaries = optuna.get_all_study_summaries(storage)
     assert sorted(variant_of(x) for x in summaries) == ["diloco_b2", "diloco_b2"]
@@ -260,7 +316,7 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     assert all(r["study"].startswith("diloco_b2@") and r["state"] == "COMPLETE" for r in rows)
     budgets = {r["study"]: load_config(out / r["run_dir"] / "config.yaml").max_tokens for r in rows}
     assert sorted(budgets.values()) == [1500, 3000]
-    assert tune_main(tune_args(out, cache_dir, "--trials", "1")) == 0  # the first study again: nothing left to run
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1", seeds="1000,1001")) == 0  # the first study: done
     assert sum(x.n_trials for x in optuna.get_all_study_summaries(storage)) == 2
 
 
@@ -320,7 +376,7 @@ def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):
 
 def test_bad_tuning_options_are_refused_in_one_line(tmp_path, capsys):
     for extra, said in ((["--trials", "0"], "--trials and --workers must be at least 1"),
-                        (["--trials", "2", "--seeds", "3", "--tuning_seed", "1"], "is one of the finalists' seeds"),
+                        (["--trials", "2", "--seeds", "3", "--tuning_seed", "1"], "holds one of the finalists' seeds"),
                         (["--trials", "2", "--max_tokens", "0"], "--max_tokens: give the token budget")):
         with pytest.raises(SystemExit) as exc:
             tune_main(tune_args(tmp_path / "t", tmp_path, *extra))

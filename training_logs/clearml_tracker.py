@@ -236,6 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from utils.errors import exit_on_input_error
-
-    sys.exit(exit_on_input_error(main))
+    sys.exit(main())

@@ -22,7 +22,13 @@ from tqdm import tqdm  # noqa: E402
 from algorithms.clock import ThroughputCurve  # noqa: E402
 from benchmarks.compare import bundle  # noqa: E402
 from benchmarks.compare.options import Options, build_parser, cluster_overrides, made, parse_networks  # noqa: E402
-from benchmarks.compare.reader import first_reaching, ran_shapes, read_run, value_at  # noqa: E402
+from benchmarks.compare.reader import (  # noqa: E402
+    first_reaching,
+    ran_shapes,
+    read_run,
+    value_at,
+    within_budget,
+)
 from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
 from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_start  # noqa: E402
 from benchmarks.compare.variants import (  # noqa: E402
@@ -86,7 +92,7 @@ def reprice(args: Options) -> int:
             raise SystemExit(f"error: --reprice {args.reprice}: the report's config: {exc}") from None
         results: dict[str, list[dict]] = {}
         for entry in packed.runs:
-            run = read_run(packed.run_dir(entry))
+            run = within_budget(read_run(packed.run_dir(entry)), options.max_tokens)
             results.setdefault(entry["variant"], []).append(
                 {**run, "seed": entry["seed"], "family": entry["family"], "constant_batch": entry["constant_batch"]})
         report_out = made(Path(args.report_out), "--report_out")
@@ -150,7 +156,8 @@ def compare(args: Options) -> int:
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
         try:
-            run = read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra))
+            run = within_budget(read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra)),
+                                args.max_tokens)
         except RunFailed as exc:
             if not exc.training_fault:
                 raise

@@ -1,8 +1,8 @@
 """Batch-size measures of the report: optimizer steps to the target against the best constant batch (the measure
-Merrill et al. 2025 use for batch-size warmup), the critical batch size each constant-batch sweep implies (Zhang
-et al. 2025: the batch beyond which the steps to the target fall more than 20% short of linear scaling), at the
-report's target and at three targets along training, and a plot of each variant's requested batch against
-tokens."""
+Merrill et al. 2025 use for batch-size warmup), the critical batch size each constant-batch sweep implies (the
+largest batch whose tokens to a target stay within 20% of the token-optimal batch's: where tokens are fewest, not
+anchored at any batch), at the report's target and at five targets along training, and plots of each variant's
+requested batch against tokens and of tokens to each target against the batch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 from benchmarks.compare.reader import first_reaching, value_at
 from benchmarks.compare.shared import plt_
 
-LINEAR_SCALING_SLACK = 1.2  # Zhang et al.'s 20%
 Point = tuple[int, float | None, float]  # (B, steps to the target or None, the run's steps)
 
 
@@ -45,34 +44,6 @@ def sweep_points(points: list[tuple[int, list[dict]]], target: float, higher: bo
             for b, runs in points]
 
 
-def critical_batch(points: list[Point]) -> tuple[int | None, str]:
-    """Zhang et al.'s critical batch from one sweep of (B, steps to the target or None, the run's steps), by B: the
-    largest B up to which every batch's steps to the target stay within 20% of linear scaling from the smallest
-    batch that reached it, S(B) <= 1.2 S(B0) B0 / B. A batch that never reached the target is beyond it when its run
-    had more steps than that bound, and undecided otherwise (its budget ended first). (B or None, in words)."""
-    reached = [(b, s) for b, s, _ in points if s is not None]
-    if not reached or len(points) < 2:
-        return None, "needs two constant batches, one of them reaching the target"
-    b0, s0 = reached[0]
-    largest = b0
-    for b, s, total in points:
-        if b <= b0:
-            continue
-        linear = s0 * b0 / b
-        if s is not None and s <= LINEAR_SCALING_SLACK * linear:
-            largest = b
-            continue
-        if s is not None:
-            return largest, (f"between {largest} and {b}: batch {b} needs {s:.4g} steps, {s / linear:.2f}x linear "
-                             f"scaling from batch {b0}")
-        if total > LINEAR_SCALING_SLACK * linear:
-            return largest, (f"between {largest} and {b}: batch {b} did not reach it in its {total:.4g} steps, "
-                             f"{total / linear:.2f}x linear scaling from batch {b0}")
-        return largest, (f">= {largest}; batch {b} is undecided: its run ended at {total:.4g} steps, before 1.2x "
-                         f"linear scaling from batch {b0} ({LINEAR_SCALING_SLACK * linear:.4g})")
-    return largest, f">= {largest}: the largest batch of the sweep still scales within 20%"
-
-
 def rows(results: dict[str, list[dict]], target: float, higher: bool) -> tuple[list[dict], str]:
     """Per variant: steps to the target and their ratio to the best constant batch's; each sweep's critical batch
     in words."""
@@ -85,31 +56,82 @@ def rows(results: dict[str, list[dict]], target: float, higher: bool) -> tuple[l
                     "steps_vs_best_constant": steps / best if steps is not None and best else None})
     if not found:
         return out, "critical batch: needs a constant-batch sweep (diloco_bB)"
-    words = [f"{series}: {critical_batch(points)[1]}" for series, points in found.items()]
-    return out, "critical batch (per node) of " + "; of ".join(words)
+    words = [f"{series}: {token_optimal([(b, tokens_to_target(runs, target, higher)) for b, runs in points])[1]}"
+             for series, points in sweeps(results).items()]
+    return out, "critical batch (per node; the largest within 20% of the token-optimal batch's tokens) of " + \
+        "; of ".join(words)
 
 
-# where along training the critical batch is measured: the sweep's smallest batch's metric (its worst seed's)
-# after these shares of the token budget. Late is 80%, not 100%: at the smallest batch's final value, linear
-# scaling's 1.2x bound would exceed a larger batch's whole run (its steps are B0 / B of the smallest's at a matched
-# token budget), so a batch that had not reached it could be neither inside nor beyond
-ALONG_TRAINING = (("early", 0.2), ("middle", 0.5), ("late", 0.8))
+# where along training the critical batch is measured (issue 58): at these shares of the token budget, the best value
+# any batch of the sweep has reached with every seed by then. No batch anchors it: each target is the sweep's own
+# envelope, and each batch's tokens to it are compared with the fewest any batch needed
+ALONG_TRAINING = (("20%", 0.2), ("35%", 0.35), ("50%", 0.5), ("65%", 0.65), ("80%", 0.8))
+TOKEN_SLACK = 1.2  # the critical batch: the largest within 20% of the token-optimal batch's tokens
+
+
+def tokens_to_target(runs: list[dict], target: float, higher: bool) -> float | None:
+    """Mean tokens to the target over seeds (within the budget); None unless every seed reached it."""
+    reach = [first_reaching(r.get("fine_curve", r["curve"]), target, "tokens", higher) for r in runs]
+    return statistics.mean(reach) if reach and all(v is not None for v in reach) else None
+
+
+def token_optimal(points: list[tuple[int, float | None]]) -> tuple[int | None, str]:
+    """The critical batch of one sweep at one target from (B, tokens to the target or None), by B: the largest batch
+    whose tokens stay within 20% of the token-optimal batch's (the batch that needs fewest). A lower bound when the
+    sweep's largest batch is still within. (B or None, in words)."""
+    reached = [(b, t) for b, t in points if t is not None]
+    if len(points) < 2 or not reached:
+        return None, "needs two constant batches, one of them reaching the target"
+    best_b, best_t = min(reached, key=lambda p: (p[1], p[0]))
+    within = sorted(b for b, t in reached if t <= TOKEN_SLACK * best_t)
+    critical = within[-1]
+    words = f"token-optimal batch {best_b} ({best_t:.4g} tokens); within 20%: {', '.join(map(str, within))}"
+    if critical == max(b for b, _ in points):
+        return critical, f">= {critical}: {words} (the sweep's largest batch is within 20%: a lower bound)"
+    return critical, f"{critical}: {words}"
 
 
 def along_training(results: dict[str, list[dict]], budget: float, higher: bool) -> list[dict]:
-    """Each sweep's critical batch at three targets along training (ALONG_TRAINING): whether it grows as training
-    goes on (Zhang et al. 2025 find it grows with the data seen)."""
+    """Each sweep's tokens to five targets along training per batch (ALONG_TRAINING), and its critical batch at each
+    by the token-optimal rule: whether it grows as training goes on (Zhang et al. 2025 find it grows with the data
+    seen)."""
     out = []
     for series, points in sweeps(results).items():
-        smallest_runs = points[0][1]
         for when, share in ALONG_TRAINING:
-            # the worst seed's value: every seed of the smallest batch reaches it by then
-            target = (min if higher else max)(value_at(r["curve"], "tokens", share * budget,
-                                                       log_scale=not higher)[0] for r in smallest_runs)
-            batch, words = critical_batch(sweep_points(points, target, higher))
+            worst = min if higher else max  # a batch's worst seed: every seed has reached it by then
+            target = (max if higher else min)(
+                worst(value_at(r["curve"], "tokens", share * budget, log_scale=not higher)[0] for r in runs)
+                for _, runs in points)
+            tokens = [(b, tokens_to_target(runs, target, higher)) for b, runs in points]
+            batch, words = token_optimal(tokens)
             out.append({"sweep": series, "when": when, "tokens": share * budget, "target": target,
+                        "tokens_by_batch": "; ".join(f"{b}: {t:.4g}" if t is not None else f"{b}: not reached"
+                                                     for b, t in tokens),
                         "critical_batch": batch, "in_words": words})
     return out
+
+
+def plot_tokens_to_target(rows: list[dict], out: Path) -> Path | None:
+    """Tokens to each target against the batch, one line per target and sweep (log-log)."""
+    if not rows:
+        return None
+    plt = plt_()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        pairs = [cell.split(": ") for cell in r["tokens_by_batch"].split("; ")]
+        points = [(int(b), float(t)) for b, t in pairs if t != "not reached"]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{r['sweep']} {r['when']} (target {r['target']:.4g})")
+    ax.set(xscale="log", yscale="log", xlabel="constant batch per node",
+           ylabel="tokens to the target (mean over seeds)",
+           title="Tokens to each target against the batch (critical: the largest within 20% of the fewest)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = out / "tokens_to_target_vs_batch.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def grows(rows: list[dict]) -> list[str]:
@@ -123,7 +145,7 @@ def grows(rows: list[dict]) -> list[str]:
             continue
         path = " -> ".join(str(r["critical_batch"]) for r in found)
         verdict = "grows" if late > early else "does not grow" if late == early else "shrinks"
-        lower = " (a lower bound where the sweep's largest batch still scaled or was undecided)" if any(
+        lower = " (a lower bound where the sweep's largest batch was within 20% of the fewest tokens)" if any(
             r["in_words"].startswith(">=") for r in found) else ""
         sentences.append(f"{series}: the critical batch {verdict} along training ({path}, early to late){lower}")
     return sentences

@@ -17,10 +17,13 @@ overrides of the base config:
   adloco              the base config (adaptive batching, merging, switch mode)
   adloco_no_adaptive  sampling_method: constant
   adloco_no_merge     merge_frequency: 0
-  adloco_no_switch    switch_mode: only_data_loader (never accumulate)
+  adloco_never_accumulate   switch_mode: only_data_loader (a request above max_batch runs max_batch, one pass)
+  adloco_always_accumulate  switch_mode: only_gradient_accumulation (every request above max_batch accumulates)
+                      (these two, and adloco_paper's two below, replace adloco_no_switch and
+                      adloco_paper_no_switch, which meant opposite things)
   adloco_paper        AdLoCo as the paper runs it where our default departs: variance_estimator nodes (one
                       gradient per node), ETA 0.8, initial_batch_size 1, merge_frequency 3
-  adloco_paper_no_adaptive, adloco_paper_no_merge, adloco_paper_no_switch
+  adloco_paper_no_adaptive, adloco_paper_no_merge, adloco_paper_always_accumulate, adloco_paper_never_accumulate
                       the paper's three ablations (section 6.3) of adloco_paper: sampling_method constant
                       (its starting batch), merge_frequency 0, switch_mode only_gradient_accumulation
                       (accumulate as soon as the request exceeds max_batch: what section 4.2 says switch mode
@@ -29,6 +32,10 @@ overrides of the base config:
                       run as it really is: loader batch x accumulation (only_gradient_accumulation)
   diloco_nesterov_bB  diloco_bB with DiLoCo's standard outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9)
                       instead of the AdLoCo paper's plain SGD at 0.5 (when named, or --variants nesterov)
+  diloco_tuned_batch, diloco_nesterov_tuned_batch, ddp_tuned_batch, snoo_tuned_batch
+                      the constant-batch methods with the batch a tuned knob over --diloco_batches (benchmarks.tune
+                      searches it with the method's own knobs: "DiLoCo with its batch tuned", the primary
+                      baseline); run when named or with --variants tuned_batch
   diloco_rampup       as diloco, with the batch ramped linearly from initial_batch_size to
                       max_requested_batch over the token budget (Megatron's rampup-batch-size)
   localsgd            as diloco_b<initial batch> with LocalSGD (inner SGD at --localsgd_lr, outer = average)

@@ -28,12 +28,13 @@ def _time_to(curves: list[list[dict]], target: float, higher: bool) -> float | N
 
 def time_target(results: dict[str, list[dict]], metric: str, args: Options) -> float:
     """The target of the clock's and the network model's tables: --time_target, else --target (one target drives
-    every table), else the loosest value (every run's best point reaches it)."""
+    every table), else the loosest value (every run's best point within the token budget reaches it)."""
     higher = metric == "val_accuracy"
     pick = min if higher else max
     runs = [r for rs in results.values() for r in rs]
-    return args.time_target or args.target or pick((max if higher else min)(p["metric"] for p in r["curve"])
-                                                   for r in runs)
+    return args.time_target or args.target or pick(
+        (max if higher else min)(p["metric"] for p in r["curve"] if not p.get("past_budget") or p is r["curve"][0])
+        for r in runs)
 
 
 def cluster_sections(results: dict[str, list[dict]], metric: str, report_target: float | None, args: Options

@@ -176,10 +176,30 @@ def value_at(curve: list[dict], axis: str, budget: float, log_scale: bool = True
 
 
 def first_reaching(curve: list[dict], target: float, key: str, higher_is_better: bool) -> float | None:
+    """`key` (steps, tokens, time, ...) at the first point that reaches the target; None if none does within the
+    token budget (a point marked past_budget, by within_budget, never counts: a run that reaches a target only
+    after its budget has not reached it)."""
     for point in curve:
+        if point.get("past_budget"):
+            return None
         if (point["metric"] >= target) if higher_is_better else (point["metric"] <= target):
             return point[key]
     return None
+
+
+def last_within_budget(curve: list[dict]) -> dict:
+    """The curve's last point within the token budget (its first, if even that one lies past it)."""
+    inside = [p for p in curve if not p.get("past_budget")]
+    return inside[-1] if inside else curve[0]
+
+
+def within_budget(run: dict, budget: float) -> dict:
+    """Mark the points of a run's curves that lie past the token budget (the last outer step may overshoot it):
+    steps, tokens and time to a target stop counting there."""
+    for curve in (run["curve"], run["fine_curve"]):
+        for point in curve:
+            point["past_budget"] = bool(budget) and point["tokens"] > budget
+    return run
 
 
 def repriced(run_dir: Path, summary: dict, curve: list[dict], cfg: Config) -> dict:

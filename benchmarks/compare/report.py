@@ -11,7 +11,7 @@ from pathlib import Path
 from benchmarks.compare import batches, seeds
 from benchmarks.compare.options import Options
 from benchmarks.compare.pricing import clock_report, cluster_sections, network_report
-from benchmarks.compare.reader import first_reaching, value_at
+from benchmarks.compare.reader import first_reaching, last_within_budget, value_at
 from benchmarks.compare.shared import mean_std, plt_, table
 from benchmarks.theory import communication_bound
 from training_logs.plots import readable_y
@@ -22,6 +22,7 @@ AXES = {"tokens": "tokens seen (all trainers)", "rounds": "rounds (outer steps)"
         "syncs": "syncs (cross-node all-reduces + merges)", "bytes": "bytes communicated"}
 
 
+WITHIN = "'s mean at its last outer step within the token budget"
 NO_TARGET = ("No target: no DiLoCo run finished to be its reference (none ran, or every seed stopped on a training "
              "fault), and --target was not given; the tables to a target are left out.")
 
@@ -37,7 +38,9 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
     reference = diloco_default if diloco_default in finals else next(iter(diloco), "")
     # no reference (none ran, or every seed of it stopped on a training fault) and no --target: no target at all,
     # never 0 (every run would "reach" it, or none)
-    target = args.target or (statistics.mean(finals[reference]) if reference else None)
+    # (the reference's metric at its last point within the budget: a target reached only past it is not reached)
+    target = args.target or (statistics.mean(last_within_budget(r["curve"])["metric"] for r in results[reference])
+                             if reference else None)
     main_rows, budget_rows, merge_rows = [], [], []
     for name, runs in results.items():
         final_mean, final_std = mean_std(finals[name])
@@ -95,12 +98,12 @@ def along_training_section(rows: list[dict]) -> list[str]:
     """Each constant-batch sweep's critical batch at three targets along training, and whether it grows."""
     if not rows:
         return []
-    when = ", ".join(f"{w} {share:.0%}" for w, share in batches.ALONG_TRAINING)
     return ["## The critical batch along training", "",
-            "Per constant-batch sweep (batches whose names differ only in _bB), the critical batch at three targets: "
-            f"the metric the sweep's smallest batch reached after a share of the token budget ({when}); the steps "
-            "of every batch against linear scaling from the smallest one that reached it (Zhang et al. 2025's 20%).",
-            "", *table(rows, ["sweep", "when", "tokens", "target", "critical_batch", "in_words"]), "",
+            "Per constant-batch sweep (batches whose names differ only in _bB), at five targets along training: the "
+            "best metric any batch of the sweep had reached with every seed after 20%, 35%, 50%, 65% and 80% of the "
+            "token budget (no batch anchors it). Each batch's tokens to the target (mean over seeds, within the "
+            "budget), and the critical batch: the largest batch within 20% of the token-optimal batch's tokens.",
+            "", *table(rows, ["sweep", "when", "target", "tokens_by_batch", "critical_batch", "in_words"]), "",
             *(f"- {sentence}" for sentence in batches.grows(rows)), ""]
 
 
@@ -171,7 +174,7 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
              f"Config `{args.config}` {' '.join(args.overrides)}; seeds: {args.seeds}; token budget per run: "
              f"{args.max_tokens}{warm}; " + (NO_TARGET if report["target"] is None else
                                               f"target {metric}: {report['target']:.4g} "
-                                              f"({'given' if args.target else report['reference'] + ' final mean'})."),
+                                              f"({'given' if args.target else report['reference'] + WITHIN})."),
              "",
              *fault_section(faults),
              *(cluster_sections(results, metric, report["target"], args) if args.cluster else []),
@@ -193,8 +196,7 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
              "## Optimizer steps to the target against the best constant batch", "",
              "steps: optimizer steps in sequence (rounds x H) until the best model alive reaches the target; "
              "steps_vs_best_constant: against the constant batch (diloco_bB) that needs fewest (Merrill et al. "
-             f"2025's measure for batch warmup). The sweep's {report['critical_batch']} (Zhang et al. 2025: steps "
-             "within 20% of linear scaling).", "",
+             f"2025's measure for batch warmup). The sweep's {report['critical_batch']}.", "",
              *(table(report["main"], ["variant", "steps_to_target", "steps_vs_best_constant"])
                if report["target"] is not None else [NO_TARGET]), "",
              *along_training_section(report["along_training"]),
@@ -217,7 +219,9 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
               "value is used). Budgets for rounds, syncs and bytes: the smallest total any communicating run "
               "reached. Definitions of rounds, syncs and bytes: algorithms/traffic.py. theorem2_bound: "
               "benchmarks/theory.py.", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in [*plot(results, metric, out), batches.plot(results, out)]]
+    figures = [*plot(results, metric, out), batches.plot(results, out),
+               batches.plot_tokens_to_target(report["along_training"], out)]
+    lines += [f"![{p.stem}]({p.name})" for p in figures if p is not None]
     if args.cluster:
         lines += ["", *clock_report(results, metric, args)]
     lines += ["", *network_report(results, metric, args, out)]

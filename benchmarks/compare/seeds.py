@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.compare.reader import first_reaching, value_at
+from benchmarks.compare.reader import first_reaching, last_within_budget, value_at
 from benchmarks.compare.shared import table
 
 # Student's t, two-sided 95% (t at 0.975) by degrees of freedom; above 30, 30's (slightly conservative)
@@ -46,7 +46,8 @@ def paper_targets(reference: list[dict], budget: float, higher: bool) -> dict[st
     """Three targets along the run: the value every seed of the reference DiLoCo has reached at 1/4, 1/2 and all
     of the token budget (its worst seed's value there), so the reference reaches each by then."""
     worst = min if higher else max
-    return {label: worst(value_at(r["curve"], "tokens", share * budget, log_scale=not higher)[0] for r in reference)
+    return {label: worst(value_at(r["curve"], "tokens", min(share * budget, last_within_budget(r["curve"])["tokens"]),
+                                  log_scale=not higher)[0] for r in reference)
             for label, share in TARGET_SHARES.items()}
 
 
@@ -71,18 +72,68 @@ def run_rows(results: dict[str, list[dict]], budget: float, targets: dict[str, f
     return rows
 
 
-def paired_rows(rows: list[dict], reference: str, key: str = "at_budget") -> list[dict]:
-    """Each variant against the reference, seed by seed: mean difference, 95% interval, whether it contains 0."""
+def paired_p(differences: list[float]) -> float:
+    """The two-sided p-value of the paired t test that the mean difference is 0 (nan with fewer than two pairs)."""
+    if len(differences) < 2:
+        return math.nan
+    sd = statistics.stdev(differences)
+    if sd == 0:
+        return 0.0 if statistics.mean(differences) else 1.0
+    from scipy.stats import t
+
+    score = statistics.mean(differences) / (sd / math.sqrt(len(differences)))
+    return float(2 * t.sf(abs(score), len(differences) - 1))
+
+
+def paired_rows(rows: list[dict], reference: str, key: str = "at_budget", only: set[str] | None = None) -> list[dict]:
+    """Each variant (or those in `only`) against the reference, seed by seed: mean difference, 95% interval, whether
+    it contains 0, and the test's p-value (corrected for the report's many comparisons by holm())."""
     ref = {r["seed"]: r[key] for r in rows if r["variant"] == reference}
     out = []
     for name in dict.fromkeys(r["variant"] for r in rows):
         pairs = [(r[key], ref[r["seed"]]) for r in rows if r["variant"] == name and r["seed"] in ref]
-        if name == reference or len(pairs) < 2:
+        if name == reference or len(pairs) < 2 or (only is not None and name not in only):
             continue
-        mean, low, high = paired_interval([a - b for a, b in pairs])
+        differences = [a - b for a, b in pairs]
+        mean, low, high = paired_interval(differences)
         out.append({"variant": name, "vs": reference, "pairs": len(pairs), "mean_difference": mean,
-                    "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high})
+                    "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high,
+                    "p_value": paired_p(differences)})
     return out
+
+
+def holm(rows: list[dict], alpha: float = 0.05) -> list[dict]:
+    """Holm's step-down correction over every comparison in `rows` (in place): holm_p, the adjusted p-value
+    (the i-th smallest p times m - i + 1, made non-decreasing, at most 1), and holm_established (holm_p < alpha).
+    It controls the chance of any false finding among the report's comparisons at alpha."""
+    ranked = sorted(rows, key=lambda r: r["p_value"])
+    running = 0.0
+    for i, row in enumerate(ranked):
+        running = max(running, min(1.0, (len(ranked) - i) * row["p_value"]))
+        row["holm_p"], row["holm_established"] = running, running < alpha
+    return rows
+
+
+PRIMARY_SEEDS = 10  # a primary comparison rests on at least this many seeds
+
+
+def primary_pairs(results: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """The report's primary comparisons, declared before any number: the paper's AdLoCo and ours, each against
+    DiLoCo at its own starting batch and against DiLoCo with its batch tuned (benchmarks.tune's
+    diloco_tuned_batch_tuned, else diloco_tuned_batch), tuned finalists against tuned ones where the report has
+    them. Only the pairs whose two variants are in the report."""
+    pairs = []
+    for base in ("adloco_paper", "adloco"):
+        for name in (f"{base}_tuned", base):
+            if name not in results:
+                continue
+            tuned = name.endswith("_tuned")
+            start = starting_reference(name, starting_batch(results[name][0]), results)
+            batch_tuned = next((r for r in (("diloco_tuned_batch_tuned",) if tuned else ()) + ("diloco_tuned_batch",)
+                                if r in results), "")
+            pairs += [(name, ref) for ref in (start, batch_tuned) if ref in results]
+            break
+    return pairs
 
 
 def best_constant(results: dict[str, list[dict]], rows: list[dict], higher: bool) -> str:
@@ -170,14 +221,32 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
              "exactly the token budget, never a final that overshot it); paired t 95% interval (mean difference "
              "+- t(0.975, n-1) sd / sqrt(n)); `interval_contains_0: True` marks a difference the seeds do not "
              "establish.", ""]
-    columns = ["variant", "vs", "pairs", "mean_difference", "ci95_low", "ci95_high", "interval_contains_0"]
-    if reference and any(r["variant"] == reference for r in rows):
-        lines += [*table(paired_rows(rows, reference), columns), ""]
+    columns = ["variant", "vs", "pairs", "mean_difference", "ci95_low", "ci95_high", "interval_contains_0",
+               "p_value"]
+    primary = primary_pairs(results)
+    lines += ["### Primary comparisons (declared before the numbers)", "",
+              "The paper's AdLoCo and ours, each against DiLoCo at its own starting batch and against DiLoCo with its "
+              "batch tuned inside the same trial budget (`diloco_tuned_batch`), where the report holds them; "
+              f"uncorrected, and each should rest on at least {PRIMARY_SEEDS} seeds.", ""]
+    primary_rows = [row for name, ref in primary for row in paired_rows(rows, ref, only={name})]
+    for row in primary_rows:
+        row["note"] = "" if row["pairs"] >= PRIMARY_SEEDS else f"only {row['pairs']} seeds (< {PRIMARY_SEEDS})"
+    lines += ([*table(primary_rows, [*columns, "note"]), ""] if primary_rows else
+              ["None in this report (it holds neither pair).", ""])
+    secondary = paired_rows(rows, reference) if reference and any(r["variant"] == reference for r in rows) else []
     best = best_constant(results, rows, higher)
-    if best and best != reference:
-        lines += [f"Against the best constant batch at the budget ({best}, chosen after the fact from these same "
-                  "seeds: a stronger test than any batch fixed in advance):", "",
-                  *table(paired_rows(rows, best), columns), ""]
+    post_hoc = paired_rows(rows, best) if best and best != reference else []
+    holm([*secondary, *post_hoc])  # every other comparison of the report, corrected together
+    lines += ["### Every other comparison (Holm-corrected within the report)", "",
+              f"holm_p: Holm's adjusted p-value over the report's {len(secondary) + len(post_hoc)} other comparisons "
+              "(holm_established: below 0.05); the interval and p_value columns are uncorrected.", ""]
+    if secondary:
+        lines += [*table(secondary, [*columns, "holm_p", "holm_established"]), ""]
+    if post_hoc:
+        lines += [f"Against the best constant batch at the budget ({best}), chosen after the fact on these same "
+                  "evaluation seeds (best-of-N: a winner's curse favours it; the primary comparison is the batch tuned "
+                  "on tuning seeds):", "",
+                  *table(post_hoc, [*columns, "holm_p", "holm_established"]), ""]
     if targets:
         lines += ["## The paper's comparison: AdLoCo against DiLoCo at its starting batch", "",
                   f"Targets along the run: the {metric} every seed of {diloco_start} has reached at 1/4, 1/2 and all "

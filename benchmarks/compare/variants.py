@@ -25,14 +25,18 @@ SNOO = ("distributed_algo=SNOO", *NESTEROV)
 class Knob:
     """One tuned key of a variant's search space (benchmarks.tune): uniform between low and high, or log-uniform;
     relative: low and high are factors of the value the variant runs with (its own override, else the config's),
-    so that one space serves a regime at lr 3e-3 and one at 1e-4."""
+    so that one space serves a regime at lr 3e-3 and one at 1e-4. choices: a discrete knob (a batch size, a merge
+    interval), one of these whole numbers (low and high unused)."""
     key: str
-    low: float
-    high: float
+    low: float = 0.0
+    high: float = 0.0
     log: bool = False
     relative: bool = False
+    choices: tuple[int, ...] = ()
 
     def bounds(self, cfg: Config) -> tuple[float, float]:
+        if self.choices:
+            return min(self.choices), max(self.choices)
         scale = float(getattr(cfg, self.key)) if self.relative else 1.0
         return float(f"{self.low * scale:.4g}"), float(f"{self.high * scale:.4g}")
 
@@ -43,7 +47,14 @@ class Knob:
 LR_INNER = Knob("lr_inner", 0.1, 10.0, log=True, relative=True)
 OUTER = (Knob("lr_outer", 0.2, 1.0, log=True), Knob("outer_momentum", 0.5, 0.95))
 ETA = Knob("ETA", 0.4, 1.0)
-ADAPTIVE_SPACE = (LR_INNER, ETA)
+# AdLoCo's own batch knobs, searched jointly with its lr and ETA (issue 58): how often trainers merge, and the batch
+# it starts from (the micro_batches estimator splits a node's step, so it needs 2 or more; the paper's nodes
+# estimator starts from 1)
+MERGE_EVERY = Knob("merge_frequency", choices=(1, 2, 3, 4, 6))
+START_BATCH = Knob("initial_batch_size", choices=(2, 4, 8))
+PAPER_START_BATCH = Knob("initial_batch_size", choices=(1, 2, 4))
+ADAPTIVE_SPACE = (LR_INNER, ETA, MERGE_EVERY, START_BATCH)
+PAPER_SPACE = (LR_INNER, ETA, MERGE_EVERY, PAPER_START_BATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +96,26 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     """Every variant the harness knows, in report order."""
     single = ["num_init_trainers=1", "merge_frequency=0"]
     real_batch = "switch_mode=only_gradient_accumulation"  # a constant batch B really runs B sequences per step
+    no_merge = tuple(k for k in ADAPTIVE_SPACE if k is not MERGE_EVERY)
     chosen = [Variant("adloco", "adloco", (), search=ADAPTIVE_SPACE),
-              Variant("adloco_paper", "adloco", PAPER, search=ADAPTIVE_SPACE),
+              Variant("adloco_paper", "adloco", PAPER, search=PAPER_SPACE),
               Variant("adloco_no_adaptive", "adloco", ("sampling_method=constant",)),
-              Variant("adloco_no_merge", "adloco", ("merge_frequency=0",), search=ADAPTIVE_SPACE),
-              Variant("adloco_no_switch", "adloco", ("switch_mode=only_data_loader",), search=ADAPTIVE_SPACE)]
+              Variant("adloco_no_merge", "adloco", ("merge_frequency=0",), search=no_merge),
+              # switch mode's ablations, one name per meaning (issue 58): never accumulate (a request above max_batch
+              # runs max_batch in one pass) and always accumulate (every request above max_batch accumulates to it)
+              Variant("adloco_never_accumulate", "adloco", ("switch_mode=only_data_loader",), search=ADAPTIVE_SPACE),
+              Variant("adloco_always_accumulate", "adloco", ("switch_mode=only_gradient_accumulation",),
+                      search=ADAPTIVE_SPACE)]
     # the paper's three ablations (section 6.3) of the paper's own variant. Switch mode off is what section 4.2
     # says it replaces, "gradient accumulation once the requested batch size exceeds max_batch", which is also what
     # the authors' code runs while more than one trainer is alive (OnlyGradientAccumulationStrategy)
     chosen += [Variant("adloco_paper_no_adaptive", "adloco", (*PAPER, "sampling_method=constant"), "paper"),
                Variant("adloco_paper_no_merge", "adloco", (*PAPER, "merge_frequency=0"), "paper",
-                       search=ADAPTIVE_SPACE),
-               Variant("adloco_paper_no_switch", "adloco", (*PAPER, "switch_mode=only_gradient_accumulation"), "paper",
-                       search=ADAPTIVE_SPACE)]
+                       search=tuple(k for k in PAPER_SPACE if k is not MERGE_EVERY)),
+               Variant("adloco_paper_always_accumulate", "adloco", (*PAPER, "switch_mode=only_gradient_accumulation"),
+                       "paper", search=PAPER_SPACE),
+               Variant("adloco_paper_never_accumulate", "adloco", (*PAPER, "switch_mode=only_data_loader"), "paper",
+                       search=PAPER_SPACE)]
     diloco_at = {}
     for b in diloco_batches:
         diloco_at[b] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
@@ -118,11 +136,30 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     # (gradients averaged every inner step, one AdamW, no outer step) and SNOO (DDP + an outer Nesterov step)
     chosen.append(Variant("ddp", "synchronous", (*diloco, "distributed_algo=DDP")))
     chosen.append(Variant("snoo", "synchronous", (*diloco, *SNOO), search=(LR_INNER, *OUTER)))
+    # the constant-batch methods with their batch tuned inside the same trial budget (issue 58): a discrete knob over
+    # the sweep's batches, searched jointly with the method's own knobs; the primary baseline, not a per-batch pick
+    if diloco_batches:
+        sweep = Knob("initial_batch_size", choices=tuple(sorted(set(diloco_batches))))
+        any_batch = [*single, "sampling_method=constant",
+                     f"max_requested_batch={max(max(diloco_batches), base.max_requested_batch)}", real_batch]
+        chosen += [Variant("diloco_tuned_batch", "diloco", tuple(any_batch), "tuned_batch", search=(LR_INNER, sweep)),
+                   Variant("diloco_nesterov_tuned_batch", "diloco", (*any_batch, *NESTEROV), "tuned_batch",
+                           search=(LR_INNER, *OUTER, sweep)),
+                   Variant("ddp_tuned_batch", "synchronous", (*any_batch, "distributed_algo=DDP"), "tuned_batch",
+                           search=(LR_INNER, sweep)),
+                   Variant("snoo_tuned_batch", "synchronous", (*any_batch, *SNOO), "tuned_batch",
+                           search=(LR_INNER, *OUTER, sweep))]
     # communication (issue 22), run when named or with --variants communication: error feedback on throughout
     for group, table in (("communication", COMMUNICATION), ("cluster", CLUSTER)):
         for name, (family, scheme) in table.items():
             chosen.append(Variant(name, family, (*(diloco if family == "diloco" else []), *scheme), group))
     return {v.name: v for v in chosen}
+
+
+# switch mode's ablations before issue 58: "no_switch" meant never accumulating for ours and always accumulating for
+# the paper's variant
+RENAMED = {"adloco_no_switch": "adloco_never_accumulate (switch_mode only_data_loader)",
+           "adloco_paper_no_switch": "adloco_paper_always_accumulate (switch_mode only_gradient_accumulation)"}
 
 
 # what the harness sets on every run itself (runner.run_variant): a variant cannot choose them
@@ -185,7 +222,8 @@ def variants(base: Config, diloco_batches: list[int], localsgd_lr: float) -> dic
 def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, cluster: bool) -> dict[str, Variant]:
     """--variants: names and groups, comma-separated: all (the core comparison, with the cluster variants under
     --cluster), paper (adloco_paper, its three ablations and the diloco_bB sweep), communication (adloco, the middle
-    diloco_bB and the communication variants), nesterov (diloco_nesterov_bB at every batch of the sweep)."""
+    diloco_bB and the communication variants), nesterov (diloco_nesterov_bB at every batch of the sweep), tuned_batch
+    (DiLoCo, Nesterov DiLoCo, DDP and SNOO with their batch a tuned knob over the sweep's batches)."""
     batches = diloco_batches.split(",")
     groups = {
         "all": lambda k, v: v.group == "core" or (cluster and v.group == "cluster"),
@@ -194,8 +232,13 @@ def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, clus
         or (v.group == "core" and bool(v.constant_batch)),
         "communication": lambda k, v: k in ("adloco", f"diloco_b{batches[len(batches) // 2]}")
         or v.group == "communication",
-        "nesterov": lambda k, v: v.group == "nesterov"}
+        "nesterov": lambda k, v: v.group == "nesterov",
+        "tuned_batch": lambda k, v: v.group == "tuned_batch"}
     names = [n for n in wanted.split(",") if n]  # none: only --add_variant's (benchmarks.tune's tuned finalists)
+    renamed = [n for n in names if n in RENAMED]
+    if renamed:
+        raise SystemExit(f"error: --variants: {renamed[0]} had two meanings across the paper's variant and ours and "
+                         f"was renamed: {RENAMED[renamed[0]]} (committed reports keep the old name)")
     unknown = set(names) - set(catalogue) - set(groups)
     if unknown:
         raise SystemExit(f"error: --variants: unknown {', '.join(sorted(unknown))}; choose from "

@@ -27,6 +27,7 @@ VARIANT: the comparison harness's report (runs.csv, comparison.md with paired in
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import math
@@ -37,6 +38,7 @@ import threading
 from pathlib import Path
 
 import optuna
+from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from benchmarks.compare import compare
@@ -62,7 +64,7 @@ from benchmarks.tune.claims import (
     other_studies,
     variant_of,
 )
-from benchmarks.tune.points import PointSampler, distributions
+from benchmarks.tune.points import PointSampler, design_seed, distributions, ends
 from utils.config import load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
 from utils.signals import honoured
@@ -76,9 +78,20 @@ class Tuning:
     trials: int
     workers: int
     storage: str
-    tuning_seed: int
+    tuning_seeds: tuple[int, ...]  # every trial runs on each; its objective is their mean (winners on >= 2 seeds)
     tuned_only: bool = False  # the finalists without their untuned selves
     untuned: tuple[tuple[Path, list[str]], ...] = ()  # --untuned DIR:V1,V2,...: reports holding these untuned runs
+
+
+def seed_list(text: str) -> tuple[int, ...]:
+    """--tuning_seed: one or more whole numbers, comma-separated, each once."""
+    try:
+        seeds = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r} names a seed twice")
+    return seeds
 
 
 def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
@@ -89,7 +102,9 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
     p.add_argument("--workers", type=int, default=1, help="trials at once on this machine, each on cores / K threads")
     p.add_argument("--storage", default="", help="a database URL or a journal file shared by several tune processes "
                    "(default: the SQLite file OUT/studies.db)")
-    p.add_argument("--tuning_seed", type=int, default=1000, help="training_seed of every trial (--seeds' finalists "
+    p.add_argument("--tuning_seed", type=seed_list, default=(1000, 1001), help="training_seeds of every trial, "
+                   "comma-separated (default 1000,1001: a trial's objective is its mean over them, so a winner is "
+                   "chosen on 2 seeds; --seeds' finalists "
                    "run on 0..S-1, fresh seeds)")
     p.add_argument("--tuned_only", action="store_true", help="with --seeds: run only the tuned finalists, not their "
                    "untuned selves (take those from --untuned reports)")
@@ -112,8 +127,9 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
     for path, _ in sources:
         if not (path / "runs.csv").is_file():
             p.error(f"--untuned {path}: no runs.csv there (a finished report of benchmarks.compare)")
-    if 0 <= tuning.tuning_seed < values["seeds"]:
-        p.error(f"--tuning_seed {tuning.tuning_seed} is one of the finalists' seeds 0..{values['seeds'] - 1}; the "
+    if any(0 <= seed < values["seeds"] for seed in tuning.tuning_seeds):
+        p.error(f"--tuning_seed {','.join(map(str, tuning.tuning_seeds))} holds one of the finalists' seeds "
+                f"0..{values['seeds'] - 1}; the "
                 "finalists must run on fresh seeds")
     return Options.from_parsed(values), tuning
 
@@ -147,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         for identity in identities.values():
             for line in other_studies(storage, identity):
                 print(line)
-        studies = {name: open_study(name, storage, direction, PointSampler(v.search, regimes[name]), identities[name])
+        studies = {name: open_study(name, storage, direction,
+                                    PointSampler(v.search, regimes[name], design_seed(name)), identities[name])
                    for name, v in chosen.items()}
         threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
                       // tuning.workers)
@@ -156,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
         write_trials(studies, chosen, storage, out / "trials.csv")
+        for study in studies.values():
+            for number, words in edges(study).items():
+                print(f"warning: {study.study_name}: its best trial ({number}) sits on an edge ({words}); its value "
+                      "and ranking are bounds: widen the range and run the study again")
         if errors or STOPPED_BY:
             return ended(errors, STOPPED_BY, "the trials in flight were stopped and marked failed; run the same "
                          "command again to go on (finished trials are kept)")
@@ -215,7 +236,7 @@ def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
             cfg = load_config(args.config, [*args.overrides, *v.overrides])
             for end in (0, 1):
                 load_config(args.config, [*args.overrides, *v.overrides, *(
-                    f"{k}={d.high if end else d.low}" for k, d in distributions(v.search, cfg).items())])
+                    f"{k}={ends(d)[end]}" for k, d in distributions(v.search, cfg).items())])
         except UserError as exc:
             raise SystemExit(f"error: variant {name}: {exc}") from None
         regimes[name] = cfg
@@ -231,11 +252,13 @@ def identity_of(name: str, variant: Variant, cfg, args: Options, tuning: Tuning,
     kernel choice (so that machines of several kinds share one study); the budget, the tuning seed and each tuned
     knob's range (a wider range is another study: its points are other points)."""
     tuned = distributions(variant.search, cfg)
-    values = resolved(args.config, [*args.overrides, *extra, *variant.overrides, f"training_seed={tuning.tuning_seed}",
-                                    f"max_tokens={args.max_tokens}", f"num_outer_steps={args.max_outer_steps}"])
-    config = {k: v for k, v in values.items() if k not in tuned and k not in MACHINE_KEYS}
-    search = {k: [d.low, d.high, "log" if d.log else "linear"] for k, d in tuned.items()}
-    return StudyIdentity(name, {"config": config, "search": search})
+    values = resolved(args.config, [*args.overrides, *extra, *variant.overrides,
+                                    f"training_seed={tuning.tuning_seeds[0]}", f"max_tokens={args.max_tokens}",
+                                    f"num_outer_steps={args.max_outer_steps}"])
+    config = {k: v for k, v in values.items() if k not in tuned and k not in MACHINE_KEYS and k != "training_seed"}
+    search = {k: list(d.choices) if isinstance(d, CategoricalDistribution) else
+              [d.low, d.high, "log" if d.log else "linear"] for k, d in tuned.items()}
+    return StudyIdentity(name, {"config": config, "search": search, "tuning_seeds": list(tuning.tuning_seeds)})
 
 
 def worker(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning, args: Options, out: Path,
@@ -261,14 +284,16 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
                 break
             trial, point = claimed
             print(f"{study.study_name} point {point}: running; {progress(study, tuning.trials)}", flush=True)
-            params = {key: trial.suggest_float(key, d.low, d.high, log=d.log)
+            params = {key: trial.suggest_categorical(key, d.choices) if isinstance(d, CategoricalDistribution)
+                      else trial.suggest_float(key, d.low, d.high, log=d.log)
                       for key, d in distributions(chosen[name].search, study.sampler.cfg).items()}
             alive = threading.Event()
             threading.Thread(target=heartbeat, args=(study, trial, alive), daemon=True).start()
+            run_dirs = []
             try:
-                # the study's name in the run's: two studies of one variant never share a run directory
-                run_dir, _ = run_variant(f"{study.study_name}_p{point}", [*chosen[name].overrides, *(
-                    f"{k}={v}" for k, v in params.items())], tuning.tuning_seed, args, out / "trials", extra)
+                for seed in tuning.tuning_seeds:  # the study's name in the run's: no two studies share a directory
+                    run_dirs.append(run_variant(f"{study.study_name}_p{point}", [*chosen[name].overrides, *(
+                        f"{k}={v}" for k, v in params.items())], seed, args, out / "trials", extra)[0])
             except RunFailed as exc:
                 if not (exc.training_fault or stop.is_set()):  # the tool's error or bad input, not the method's
                     trial.set_user_attr("note", f"{exc} (not the method's outcome); its point runs again on the "
@@ -276,7 +301,7 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
                     study.tell(trial, state=TrialState.FAIL)
                     raise RuntimeError(str(exc)) from None  # a thread ignores SystemExit: the worker reports this
                 failed = str(exc)
-                run_dir = None
+                run_dirs = None
             except BaseException:
                 trial.set_user_attr("note", "the tool failed while it ran; its point runs again on the next call")
                 study.tell(trial, state=TrialState.FAIL)
@@ -287,16 +312,19 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
                 trial.set_user_attr("note", "stopped by a signal; its point runs again on the next call")
                 study.tell(trial, state=TrialState.FAIL)
                 return
-            if run_dir is None:  # a training fault (a non-finite loss, ...): a finished trial, the worst value
+            if run_dirs is None:  # a training fault on a seed (a non-finite loss, ...): finished, the worst value
                 trial.set_user_attr("note", failed)
                 study.tell(trial, -math.inf if study.direction.name == "MAXIMIZE" else math.inf)
                 print(f"{study.study_name} point {point}: a training fault; {progress(study, tuning.trials)}",
                       flush=True)
                 continue
-            value, reached = value_at(read_run(run_dir)["curve"], "tokens", args.max_tokens)
-            trial.set_user_attr("run_dir", str(run_dir))
-            if not reached:
-                trial.set_user_attr("note", "ended below the token budget: its last value")
+            per_seed = [value_at(read_run(d)["curve"], "tokens", args.max_tokens) for d in run_dirs]
+            value = sum(v for v, _ in per_seed) / len(per_seed)  # the mean over the tuning seeds
+            trial.set_user_attr("run_dir", str(run_dirs[0]))
+            trial.set_user_attr("run_dirs", [str(d) for d in run_dirs])
+            trial.set_user_attr("per_seed", [v for v, _ in per_seed])
+            if not all(reached for _, reached in per_seed):
+                trial.set_user_attr("note", "a seed ended below the token budget: its last value")
             study.tell(trial, value)
             print(f"{study.study_name} point {point}: {value:.4g}; {progress(study, tuning.trials)}", flush=True)
 
@@ -329,12 +357,44 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], s
                                  for key in t.params)]))
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "note", "run_dir"])
+        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "note", "run_dir"])
         for name, study in every:
+            flagged = edges(study)
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, study.study_name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
-                            t.user_attrs.get("note", ""), shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
+                            flagged.get(t.number, ""), t.user_attrs.get("note", ""),
+                            shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
+
+
+EDGE = 0.1  # the outer tenth of a range (log ranges in log space): a best point there is a bound, not an optimum
+
+
+def edges(study: optuna.Study) -> dict[int, str]:
+    """The study's best finished trial, if one of its knobs sits on an edge, with the words (trial number -> words):
+    in the outer tenth of its range, at the largest or smallest value the study sampled, or at a discrete knob's
+    first or last choice. Such a study's value and ranking are bounds: widen the range and run it again."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None and math.isfinite(t.value)]
+    if not done:
+        return {}
+    best = (max if study.direction.name == "MAXIMIZE" else min)(done, key=lambda t: t.value)
+    words = []
+    for key, value in best.params.items():
+        dist = best.distributions[key]
+        if isinstance(dist, CategoricalDistribution):
+            if len(dist.choices) > 1 and value in (min(dist.choices), max(dist.choices)):
+                words.append(f"{key} {value}: its {'largest' if value == max(dist.choices) else 'smallest'} choice")
+            continue
+        low, high, at = ((math.log(dist.low), math.log(dist.high), math.log(value)) if dist.log
+                         else (dist.low, dist.high, value))
+        share = (at - low) / (high - low) if high > low else 0.5
+        sampled = {t.params[key] for t in done if key in t.params}
+        if share < EDGE or share > 1 - EDGE:
+            words.append(f"{key} {value:.4g}: the {'top' if share > 0.5 else 'bottom'} tenth of its range")
+        elif len(sampled) > 2 and value in (max(sampled), min(sampled)):
+            words.append(f"{key} {value:.4g}: the {'largest' if value == max(sampled) else 'smallest'} sampled")
+    return {best.number: "; ".join(words)} if words else {}
 
 
 def shown_from(run_dir: str, folder: Path) -> str:

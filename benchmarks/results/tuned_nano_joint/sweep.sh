@@ -1,0 +1,29 @@
+#!/bin/bash
+# Issue 58's re-run of the nano regime (benchmarks/results/tuned_nano: microllama-nano, 4 epochs of the embedded
+# corpus, 2848256 tokens): every study its own quasi-random design over all its knobs at once (AdLoCo: lr, ETA,
+# merge_frequency, starting batch; the Nesterov outer steps: lr, outer lr, momentum; the constant-batch methods'
+# "_tuned_batch" studies: their batch too), each trial on the two tuning seeds 1000 and 1001 (its objective: the
+# mean at the token budget), 24 trials per study (equal per method; 4 knobs need about that many for the trials near
+# the best lr to meet 3 values of each other knob). PRIMARY first: the paper's AdLoCo, ours and DiLoCo with its batch
+# tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds: CRITICAL) and
+# the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed).
+# About 4.7 minutes of one core per run: a multi-session study, continued by the same command with the same
+# --storage; the journal is committed as it grows. avx2 kernels, as the probe.
+# ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
+# that commits during hours of runs change nothing that runs); OUT (default: this folder): where results land.
+# PART (default primary): primary | critical | rest.
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
+cd "${TREE:-$ROOT}" || exit 1
+case "${PART:-primary}" in
+  primary) VARIANTS=diloco_tuned_batch,adloco_paper,adloco; TRIALS=24 ;;
+  critical) VARIANTS=diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32; TRIALS=8 ;;
+  rest) VARIANTS=diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch,adloco_paper_always_accumulate,\
+adloco_paper_never_accumulate,adloco_always_accumulate,adloco_never_accumulate; TRIALS=24 ;;
+  *) echo "PART: primary, critical or rest" >&2; exit 2 ;;
+esac
+exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
+  --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
+  --variants "$VARIANTS" --trials "$TRIALS" --tuning_seed 1000,1001 --workers "${WORKERS:-1}" \
+  --storage "$OUT"/studies.journal --out "$OUT" \
+  model_config.name=microllama-nano max_requested_batch=64 cpu_threads=1 cpu_capability=avx2
