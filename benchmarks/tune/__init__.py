@@ -1,23 +1,27 @@
-"""Every method tuned alike: one Optuna study per variant, the same quasi-random points, the same number of trials.
+"""Every method tuned alike: one Optuna study per variant, each its own quasi-random design over all its knobs, the
+same number of trials, winners chosen on tuning seeds.
 
-    python -m benchmarks.tune --config configs/compare_cpu.yaml --max_tokens 610427 --trials 6 --workers 2 \\
-        --variants diloco_b2,diloco_b4,adloco --seeds 5 --out logs/tune
+    python -m benchmarks.tune --config configs/compare_cpu.yaml --max_tokens 610427 --trials 16 --workers 2 \\
+        --variants diloco_tuned_batch,adloco --diloco_batches 2,4,8 --seeds 10 --out logs/tune
 
-Each variant is tuned in its own study over its own search space (declared beside it in
+Each variant is tuned in its own study over its own search space, every knob at once (declared beside it in
 benchmarks/compare/variants.py: lr_inner log-uniform for every method; lr_outer and outer momentum for the Nesterov
-outer steps; ETA for the adaptive AdLoCos). Every trial is a real run.py run on the tuning seed (--tuning_seed) at
-the harness's token budget, and its objective is the report's measure: the validation metric at exactly the token
-budget. Trials are the points of one scrambled Halton sequence (benchmarks/tune/points.py), so no method gets a
-smarter search. --trials N is how many finished trials each study should hold: a second call continues the studies
-(to a larger N too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked failed and
-run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at once here,
-each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on several
-machines (claims.py says how).
+outer steps; ETA, the merge interval and the starting batch for the adaptive AdLoCos; the batch for the constant-batch
+methods' _tuned_batch studies). Every trial is real run.py runs on the tuning seeds (--tuning_seed, default
+1000,1001) at the harness's token budget, and its objective is the report's measure averaged over them: the
+validation metric at exactly the token budget. Each study's trials are the points of its own scrambled Halton
+sequence (benchmarks/tune/points.py: seeded by the variant, the same on every machine), so no method gets a smarter
+search and no two methods share their points. A best trial on the edge of a range is flagged (trials.csv's edge
+column, and a warning). --trials N is how many finished trials each study should hold: a second call continues the
+studies (to a larger N too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked
+failed and run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at
+once here, each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on
+several machines (claims.py says how).
 A study is its config: it is named VARIANT@DIGEST of everything that changes its objective (the resolved config
-without the tuned knobs, the token budget, the tuning seed, the tuned ranges; claims.StudyIdentity), so a call with
+without the tuned knobs, the token budget, the tuning seeds, the tuned ranges; claims.StudyIdentity), so a call with
 another budget or other overrides on the same storage starts its own study (a line names what differs) and never
 counts trials measured under another config.
-The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, note, run
+The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, edge, note, run
 directory; every study in the storage, so a call naming a few variants keeps the others' rows)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
