@@ -847,3 +847,26 @@ def test_the_primary_comparisons_are_the_paper_pairs_the_report_holds(tmp_path):
     assert primary_pairs(results) == [("adloco_paper_tuned", "diloco_b2_tuned"),
                                       ("adloco_paper_tuned", "diloco_tuned_batch"),
                                       ("adloco", "diloco_b2"), ("adloco", "diloco_tuned_batch")]
+
+
+def test_a_committed_report_is_repriced_for_another_model_and_network_from_its_bundle_alone(tmp_path):
+    """benchmarks/results/replay_demo, as committed (its bundle, no run directory): re-priced as MicroLlama 300M on
+    1 Gbit/s with the measured H100 curve, nothing trained; the bytes scale with the model, the trajectory does not."""
+    import time
+
+    report = ROOT / "benchmarks" / "results" / "replay_demo"
+    assert (report / "replay_bundle.tar.gz").is_file()  # (its runs/ folder is never committed: .gitignore)
+    curve = str(ROOT / "benchmarks" / "results" / "curves" / "h100_bf16_microllama-300m.json")
+    start = time.time()
+    views = {}
+    for name, extra in (("own", []), ("300m", ["--model_params", "3e8"])):
+        views[name] = tmp_path / name
+        assert compare_main(["--reprice", str(report), "--report_out", str(views[name]), "--network",
+                             "1Gbit/s,1ms", "--throughput_curve", curve, *extra]) == 0
+    assert time.time() - start < 120 and not (tmp_path / "own" / "runs").exists()  # nothing trains
+    share = {n: {r["variant"]: float(r["network_share"]) for r in read_csv(v / "network.csv")}
+             for n, v in views.items()}
+    assert set(share["300m"]) == {"adloco_paper", "diloco_b1", "diloco_b4"}
+    assert all(share["300m"][v] > 0.9 > share["own"][v] for v in share["300m"])  # 1.2 GB a sync swamps compute
+    assert read_csv(views["300m"] / "comparison.csv") == read_csv(views["own"] / "comparison.csv")
+    assert read_csv(views["own"] / "runs.csv") == read_csv(report / "runs.csv")  # the committed runs, unchanged
