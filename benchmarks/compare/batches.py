@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.compare.reader import first_reaching, value_at
-from benchmarks.compare.shared import plt_
+from benchmarks.compare.shared import plt_, save_figure
 
 Point = tuple[int, float | None, float]  # (B, steps to the target or None, the run's steps)
 
@@ -125,13 +125,7 @@ def plot_tokens_to_target(rows: list[dict], out: Path) -> Path | None:
     ax.set(xscale="log", yscale="log", xlabel="constant batch per node",
            ylabel="tokens to the target (mean over seeds)",
            title="Tokens to each target against the batch (critical: the largest within 20% of the fewest)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / "tokens_to_target_vs_batch.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, ax, out / "tokens_to_target_vs_batch.png", legend_fontsize=6)
 
 
 def grows(rows: list[dict]) -> list[str]:
@@ -161,10 +155,4 @@ def plot(results: dict[str, list[dict]], out: Path) -> Path:
                 ls="-" if runs[0]["family"] == "adloco" else "--", label=name)
     ax.set(xlabel="tokens seen (all trainers)", ylabel="requested batch per node (best model alive)", yscale="log",
            title="Requested batch against tokens (seed 0)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "requested_batch_vs_tokens.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, ax, out / "requested_batch_vs_tokens.png")
