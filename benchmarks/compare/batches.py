@@ -117,12 +117,17 @@ def plot_tokens_to_target(rows: list[dict], out: Path) -> Path | None:
         return None
     plt = plt_()
     fig, ax = plt.subplots(figsize=(8, 5))
+    batches = set()
     for r in rows:
         pairs = [cell.split(": ") for cell in r["tokens_by_batch"].split("; ")]
+        batches |= {int(b) for b, _ in pairs}
         points = [(int(b), float(t)) for b, t in pairs if t != "not reached"]
         if points:
             ax.plot(*zip(*points), marker="o", label=f"{r['sweep']} {r['when']} (target {r['target']:.4g})")
-    ax.set(xscale="log", yscale="log", xlabel="constant batch per node",
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(batches), [str(b) for b in sorted(batches)])
+    ax.minorticks_off()
+    ax.set(yscale="log", xlabel="constant batch per node",
            ylabel="tokens to the target (mean over seeds)",
            title="Tokens to each target against the batch (critical: the largest within 20% of the fewest)")
     return save_figure(fig, ax, out / "tokens_to_target_vs_batch.png", legend_fontsize=6)
