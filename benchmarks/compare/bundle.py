@@ -16,6 +16,7 @@ trains, the runs are read from the bundle, and every table is written again into
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import io
 import json
 import tarfile
@@ -39,7 +40,8 @@ def write(out: Path, results: dict[str, list[dict]], faults: list[dict], options
     manifest = {"options": options, "runs": runs, "faults": faults}
     path = out / BUNDLE
     tmp = path.with_name(f".{BUNDLE}.tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
+    # gzip's own header carries a time unless told otherwise: mtime 0, so the same runs give the same bytes
+    with gzip.GzipFile(tmp, "wb", mtime=0) as packed, tarfile.open(fileobj=packed, mode="w") as tar:
         _add(tar, "manifest.json", json.dumps(manifest, indent=1, default=str).encode())
         for run, run_dir in sorted(run_dirs.items()):
             for name in FILES:
