@@ -96,7 +96,6 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     assert rc == 0
     table = {r["variant"]: r for r in read_csv(out / "comparison.csv")}
     assert set(table) == {"adloco", "adloco_paper", "adloco_no_adaptive", "adloco_no_merge", "adloco_never_accumulate",
-                          "adloco_always_accumulate",
                           "diloco_b2", "diloco_b4", "diloco_rampup", "localsgd", "ddp", "snoo", "mine"}
     # a variant from the command line: its base's overrides, then its own
     mine = load_config(out / "runs" / "mine_seed0" / "config.yaml")
@@ -108,7 +107,6 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     assert table["adloco_no_adaptive"]["max_requested_batch"] == "3"  # constant batch
     assert int(table["adloco"]["max_requested_batch"]) > 3
     assert table["adloco_never_accumulate"]["max_accumulation"] == "1" and int(table["adloco"]["max_accumulation"]) > 1
-    assert int(table["adloco_always_accumulate"]["max_accumulation"]) > 1
     # the constant-batch sweep is labelled with what really ran (max batch 2): B = loader x accumulation
     assert (table["diloco_b2"]["ran"], table["diloco_b4"]["ran"]) == ("2x1", "2x2")
     # the warmup ramps from the initial batch 3 to max_requested_batch 6 over the token budget
@@ -227,8 +225,7 @@ def network_model_is_checked(out, table, report, tmp_path, cache_dir):
 
 def repriced_from_the_bundle_alone(out, tmp_path):
     """The report's replay bundle, with no run directory beside it: --reprice on the report's own pricing writes the
-    same tables (nothing trains); on another network and model size, what scales with the model (the bytes of every
-    sync, merge and move) scales, and what does not (rounds, syncs, the trajectory) stays."""
+    same tables (nothing trains)."""
     import tarfile
 
     from benchmarks.compare.bundle import BUNDLE
@@ -249,20 +246,10 @@ def repriced_from_the_bundle_alone(out, tmp_path):
     for name in ("comparison.csv", "runs.csv", "budgets.csv", "faults.csv", "merges.csv"):
         assert read_csv(same / name) == read_csv(out / name), name
     assert read_csv(same / "network.csv") == read_csv(out / "network.csv")  # the report's own measured throughput
-    big = tmp_path / "microllama_300m"
-    assert compare_main(["--reprice", str(alone), "--report_out", str(big), "--network", "lab=1Gbit/s,1ms",
-                         "--model_params", "3e8", "--node_throughput", "5000"]) == 0
-    small = tmp_path / "own_size"
-    assert compare_main(["--reprice", str(alone), "--report_out", str(small), "--network", "lab=1Gbit/s,1ms",
-                         "--node_throughput", "5000"]) == 0
-    share = {d.name: {r["variant"]: float(r["network_share"]) for r in read_csv(d / "network.csv")}
-             for d in (big, small)}
-    assert share["microllama_300m"]["diloco_b2"] > share["own_size"]["diloco_b2"]  # bytes x 300M / P, same compute
-    assert share["microllama_300m"]["adloco_no_merge"] == share["own_size"]["adloco_no_merge"] == 0  # sends nothing
-    assert read_csv(big / "comparison.csv") == read_csv(out / "comparison.csv")  # rounds, syncs, bytes: the runs'
-    assert (big / BUNDLE).is_file()  # a view is itself re-priceable
+    assert (same / BUNDLE).is_file()  # a view is itself re-priceable
+    # another model size and network: test_a_committed_report_is_repriced_for_another_model_and_network_...
     with pytest.raises(SystemExit, match="--model_params: give the throughput of that model too"):
-        compare_main(["--reprice", str(alone), "--report_out", str(big), "--model_params", "3e8"])
+        compare_main(["--reprice", str(alone), "--report_out", str(tmp_path / "no"), "--model_params", "3e8"])
 
 
 def harness(out, cache_dir, *extra):
@@ -662,6 +649,9 @@ def test_the_paper_ablations_are_the_paper_variant_with_one_component_off():
                           "diloco_b4", "diloco_b8", "diloco_b16"}
     assert not set(select(known, "all", "1,2,4,8,16", False)) & {"adloco_paper_no_merge"}  # all: as before
     assert set(select(known, "paper,ddp", "1,2,4,8,16", False)) == set(paper) | {"ddp"}  # groups and names mix
+    assert set(select(known, "switch", "1,2,4,8,16", False)) == {  # switch mode's ablations, ours and the paper's
+        "adloco_never_accumulate", "adloco_always_accumulate", "adloco_paper_never_accumulate",
+        "adloco_paper_always_accumulate"}
 
 
 def fake_run(tmp_path, name, seed, start, points):

@@ -18,9 +18,9 @@ overrides of the base config:
   adloco_no_adaptive  sampling_method: constant
   adloco_no_merge     merge_frequency: 0
   adloco_never_accumulate   switch_mode: only_data_loader (a request above max_batch runs max_batch, one pass)
-  adloco_always_accumulate  switch_mode: only_gradient_accumulation (every request above max_batch accumulates)
-                      (these two, and adloco_paper's two below, replace adloco_no_switch and
-                      adloco_paper_no_switch, which meant opposite things)
+  adloco_always_accumulate  switch_mode: only_gradient_accumulation (every request above max_batch accumulates;
+                      when named, or with --variants switch: the four ablations of switch mode, ours and the
+                      paper's; they replace adloco_no_switch and adloco_paper_no_switch, which meant opposite things)
   adloco_paper        AdLoCo as the paper runs it where our default departs: variance_estimator nodes (one
                       gradient per node), ETA 0.8, initial_batch_size 1, merge_frequency 3
   adloco_paper_no_adaptive, adloco_paper_no_merge, adloco_paper_always_accumulate, adloco_paper_never_accumulate

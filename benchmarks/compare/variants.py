@@ -104,7 +104,7 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
               # switch mode's ablations, one name per meaning (issue 58): never accumulate (a request above max_batch
               # runs max_batch in one pass) and always accumulate (every request above max_batch accumulates to it)
               Variant("adloco_never_accumulate", "adloco", ("switch_mode=only_data_loader",), search=ADAPTIVE_SPACE),
-              Variant("adloco_always_accumulate", "adloco", ("switch_mode=only_gradient_accumulation",),
+              Variant("adloco_always_accumulate", "adloco", ("switch_mode=only_gradient_accumulation",), "switch",
                       search=ADAPTIVE_SPACE)]
     # the paper's three ablations (section 6.3) of the paper's own variant. Switch mode off is what section 4.2
     # says it replaces, "gradient accumulation once the requested batch size exceeds max_batch", which is also what
@@ -223,7 +223,8 @@ def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, clus
     """--variants: names and groups, comma-separated: all (the core comparison, with the cluster variants under
     --cluster), paper (adloco_paper, its three ablations and the diloco_bB sweep), communication (adloco, the middle
     diloco_bB and the communication variants), nesterov (diloco_nesterov_bB at every batch of the sweep), tuned_batch
-    (DiLoCo, Nesterov DiLoCo, DDP and SNOO with their batch a tuned knob over the sweep's batches)."""
+    (DiLoCo, Nesterov DiLoCo, DDP and SNOO with their batch a tuned knob over the sweep's batches), switch (switch
+    mode's four ablations: ours and the paper's, never and always accumulating)."""
     batches = diloco_batches.split(",")
     groups = {
         "all": lambda k, v: v.group == "core" or (cluster and v.group == "cluster"),
@@ -233,7 +234,8 @@ def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, clus
         "communication": lambda k, v: k in ("adloco", f"diloco_b{batches[len(batches) // 2]}")
         or v.group == "communication",
         "nesterov": lambda k, v: v.group == "nesterov",
-        "tuned_batch": lambda k, v: v.group == "tuned_batch"}
+        "tuned_batch": lambda k, v: v.group == "tuned_batch",
+        "switch": lambda k, v: k.endswith(("_always_accumulate", "_never_accumulate"))}
     names = [n for n in wanted.split(",") if n]  # none: only --add_variant's (benchmarks.tune's tuned finalists)
     renamed = [n for n in names if n in RENAMED]
     if renamed:
