@@ -208,7 +208,7 @@ def test_a_run_under_nohup_survives_the_logout(tmp_path, cache_dir):
     wait_for(lambda: "[outer 2/" in (run_dir / "training_log.log").read_text()
              if (run_dir / "training_log.log").is_file() else False, proc)
     proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: "[outer 4/" in (run_dir / "training_log.log").read_text(), proc)  # trains on after it
+    wait_for(lambda: "[outer 3/" in (run_dir / "training_log.log").read_text(), proc)  # trains on after it
     assert json.loads((run_dir / "status.json").read_text())["state"] == "running"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

@@ -209,8 +209,11 @@ def test_a_sigkilled_tool_leaves_no_orphan_and_a_busy_run_directory_is_an_error_
         assert str(exc.value).startswith("error: benchmarks.tune: ") and "is in use by process" in str(exc.value)
     finally:
         lock.release()
-    (lost,) = trials_of(f"sqlite:///{out / 'studies.db'}")  # the killed tool's trial: failed, its point free again
+    # the killed tool's trial, failed by the next call (its point free again), and the refused call's own
+    lost, refused = trials_of(f"sqlite:///{out / 'studies.db'}")
     assert lost.state.name == "FAIL" and "process was lost" in lost.user_attrs["note"]
+    assert refused.state.name == "FAIL" and refused.user_attrs["point"] == 0
+    assert "runs again" in refused.user_attrs["note"]
 
 
 def finalists_without_their_untuned_selves(out, cache_dir, best, monkeypatch):
