@@ -6,6 +6,8 @@ all_to_all_single (a reduce-scatter of encoded shards). The owner decodes the go
 fp32 in node-id order, re-encodes the mean, and sends it to every member in a second all_to_all_single (an
 all-gather). A streamed fragment's ring carries each sender's 4 flag bytes with every shard message; its first
 half is in flight while the nodes train through `sync_delay`, the second runs at the landing.
+
+`ordered_sum` is the same shape without compression: the batch-test statistics summed in node-id order.
 """
 
 from __future__ import annotations
@@ -77,3 +79,22 @@ class QuantizedRing:
                                       members)
         wires = gathered.split(half.sizes)
         return RingArrival([w[:-FLAG_BYTES] for w in wires], any(int(w[-FLAG_BYTES]) == 1 for w in wires))
+
+
+def ordered_sum(tensor: torch.Tensor, members: tuple[int, ...], rank: int, all_to_all: Callable) -> torch.Tensor:
+    """SUM over the group `members` added in node-id order, as the simulated cluster adds
+    (calc_batch.trainer_statistics): a reduce-scatter whose shard owners add the members' shards in rank order,
+    then an all-gather. The same digits on both backends, whatever order the backend's all-reduce adds in (a
+    difference of close sums amplifies the last digit); the same bytes, over the ranks, as a ring all-reduce.
+    all_to_all(tensor, in_splits, out_splits, members) -> (received, work): the backend's counted collective."""
+    ranks, n = sorted(members), len(members)
+    mine = ranks.index(rank)
+    base, extra = divmod(tensor.numel(), n)
+    sizes = [base + (j < extra) for j in range(n)]
+    received, _ = all_to_all(tensor, sizes, [sizes[mine]] * n, members)
+    parts = received.split([sizes[mine]] * n)  # a list split: an empty shard still gives n parts
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    gathered, _ = all_to_all(total.repeat(n), [sizes[mine]] * n, sizes, members)
+    return gathered

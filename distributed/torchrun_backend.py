@@ -26,7 +26,7 @@ says which). What crosses the network, per round:
   vector (`NodeGradientSums.vectors`: the b-weighted gradient sum and the batch, fp32 by default; the
   fp64 reference adds the plain sum for the nodes estimator; of sketch dimension with the count sketch),
   then 6 fp64 scalars (7 in the reference) measured against the trainer's mean, both summed in node-id order
-  (`_ordered_sum`: a reduce-scatter whose owners add in rank order, then an all-gather, the bytes of a ring
+  (`ordered_sum`, distributed/ring.py: a reduce-scatter whose owners add in rank order, then an all-gather, the
   all-reduce), so the statistics carry the simulated cluster's digits; the trainer's first node shares the
   resulting scalars with every rank (they take the same decision);
 - `transfer`: a node that starts a round from a state it does not hold receives it from a process that
@@ -53,7 +53,7 @@ from algorithms.outer_sync import OuterSync, empty_wire
 from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
 from distributed.node_round import advance, run_node, token_shares
 from distributed.protocol import NodeFault, RoundResult
-from distributed.ring import QuantizedRing, RingHalf
+from distributed.ring import QuantizedRing, RingHalf, ordered_sum
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import synchronous_round
 from node import Node, NodeJob, NodeResult, RoundAbandoned
@@ -119,23 +119,6 @@ class TorchrunBackend:
         n = len(members)
         self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
         return on_device
-
-    def _ordered_sum(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> torch.Tensor:
-        """SUM over the group `members` added in node-id order, as the simulated cluster adds
-        (calc_batch.trainer_statistics): a reduce-scatter whose shard owners add the members' shards in rank order,
-        then an all-gather. The same digits on both backends, whatever order the backend's all-reduce adds in (a
-        difference of close sums amplifies the last digit); the same bytes, over the ranks, as a ring all-reduce."""
-        ranks, n = sorted(members), len(members)
-        mine = ranks.index(self.rank)
-        base, extra = divmod(tensor.numel(), n)
-        sizes = [base + (j < extra) for j in range(n)]
-        received, _ = self._all_to_all(tensor, sizes, [sizes[mine]] * n, members, kind)
-        parts = received.split([sizes[mine]] * n)  # a list split: an empty shard still gives n parts
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        gathered, _ = self._all_to_all(total.repeat(n), [sizes[mine]] * n, sizes, members, kind)
-        return gathered
 
     def _all_to_all(self, tensor: torch.Tensor, in_splits: list[int], out_splits: list[int],
                     members: tuple[int, ...], kind: str, async_op: bool = False):
@@ -300,11 +283,11 @@ class TorchrunBackend:
             size = wire.vectors_size(self.grad_numel, self.within_node)
             vectors = torch.zeros(size, dtype=wire.dtype, device=self.comm_device)
         if len(members) > 1:
-            vectors = self._ordered_sum(vectors, members, "statistics")
+            vectors = ordered_sum(vectors, members, self.rank, partial(self._all_to_all, kind="statistics"))
         mean = wire.reduced_mean(vectors, self.within_node)
         scalars = share.scalars(mean) if have else torch.zeros(wire.scalars_size, dtype=torch.float64)
         if len(members) > 1:
-            scalars = self._ordered_sum(scalars, members, "statistics")
+            scalars = ordered_sum(scalars, members, self.rank, partial(self._all_to_all, kind="statistics"))
         return wire.statistics(vectors.cpu(), scalars.cpu(), self.within_node)
 
     # -------------------------------------------------------------------------------------------
