@@ -26,7 +26,7 @@ says which). What crosses the network, per round:
   vector (`NodeGradientSums.vectors`: the b-weighted gradient sum and the batch, fp32 by default; the
   fp64 reference adds the plain sum for the nodes estimator; of sketch dimension with the count sketch),
   then 6 fp64 scalars (7 in the reference) measured against the trainer's mean, both summed in node-id order
-  (`ordered_sum`, distributed/ring.py: a reduce-scatter whose owners add in rank order, then an all-gather, the
+  (`ordered_sum`, distributed/ring.py: reduce-scatter, owners adding in rank order, all-gather; the bytes of a ring
   all-reduce), so the statistics carry the simulated cluster's digits; the trainer's first node shares the
   resulting scalars with every rank (they take the same decision);
 - `transfer`: a node that starts a round from a state it does not hold receives it from a process that
