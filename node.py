@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -46,7 +46,6 @@ class NodeJob:
     keep_local: bool = False
     # a compressed outer sync: `master` flattened once for the trainer's nodes (OuterSync.encode)
     flat_master: torch.Tensor | None = None
-    eval_every: int = 0  # eval_every_inner_steps: evaluate this node's own weights every this many inner steps
     # DDP / SNOO: the node pauses after each inner step's backward (yielding GRADIENTS) so its trainer's nodes
     # average their gradients before they step (distributed/synchronous.py)
     sync_gradients: bool = False
@@ -81,7 +80,6 @@ class NodeResult:
     sample_batches: torch.Tensor | None = None  # [k] sequences behind each gradient sample
     learning_rate: float = 0.0
     payload: torch.Tensor | None = None  # compressed outer sync: the encoded pseudo-gradient (uint8)
-    mid_round: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (inner step, metrics)
 
 
 class Node:
@@ -95,7 +93,6 @@ class Node:
         self.forward = torch.compile(model) if compile_model and model is not None else model
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None  # fp16: this node's dynamic loss scale
-        self.evaluator = None  # eval_every_inner_steps: an Evaluator over this node's own replica
         self.max_batch = 0
         self.show_progress = False  # an inner-step progress bar (config inner_progress)
         self.stop = threading.Event()  # set by a stop request: leave the round at the next inner step
@@ -260,7 +257,8 @@ class Node:
 
     def steps(self, job: NodeJob, pauses: list[int] = ()) -> Generator[int, None, NodeResult]:
         """The round as a generator: it pauses after each inner-step count in `pauses` (yielding it), so a
-        Streaming DiLoCo round can send and land fragments between inner steps, and returns the result."""
+        Streaming DiLoCo round can send and land fragments between inner steps and a mid-round evaluation can read
+        the trainer's nodes (distributed/mid_round.py), and returns the result."""
         pauses = set(pauses)
         if job.inject_fault == "error":
             raise InjectedFault(f"inject_fault: error on node {self.node_id}")
@@ -276,7 +274,7 @@ class Node:
             load_float_state(self.model, job.master)
         self.model.train()
         steps, accumulation, _ = job.sample_indices.shape
-        losses, grad_samples, sample_batches, mid_round = [], None, None, []
+        losses, grad_samples, sample_batches = [], None, None
         bar = tqdm(total=steps, desc=f"node {self.node_id}", leave=False, position=1) if self.show_progress else None
         for step in range(steps):
             if self.stop.is_set():
@@ -307,14 +305,12 @@ class Node:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            if job.eval_every and self.evaluator is not None and (step + 1) % job.eval_every == 0 and step + 1 < steps:
-                mid_round.append((step + 1, self.evaluator.evaluate().metrics))  # no RNG, no weight touched
-                self.model.train()
             if bar is not None:
                 bar.update()
             if step + 1 in pauses:
                 self.round_losses = losses
                 yield step + 1
+                self._load_in()  # offload_idle_nodes: released at a pause where only its weights were read
         if bar is not None:
             bar.close()
         if grad_samples is not None and self.sketch is not None:
@@ -322,4 +318,4 @@ class Node:
         tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
         step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
         return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,
-                          sample_batches, self.optimizer.param_groups[0]["lr"], mid_round=mid_round)
+                          sample_batches, self.optimizer.param_groups[0]["lr"])

@@ -5,6 +5,7 @@ the inner steps; the trainer applies the outer step to what they return.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,20 @@ class Trainer:
 
     def outer_step(self, node_mean: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def synced_model(self, node_mean: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights this trainer would hold if its round ended with its nodes at `node_mean`: its own outer step
+        (the same code) applied to a shadow, a copy of its weights and outer state; the trainer is untouched.
+        A mid-round evaluation scores this (distributed/mid_round.py)."""
+        shadow = copy.copy(self)
+        shadow.master = {k: v.detach().clone() for k, v in self.master.items()}
+        shadow._shadow_outer_state(self)
+        shadow.outer_step(node_mean)
+        return {k: v.detach() for k, v in shadow.master.items()}
+
+    def _shadow_outer_state(self, original: Trainer) -> None:
+        """synced_model: this shadow's own copy of `original`'s outer state (none without an outer optimizer)."""
 
     def absorb(self, others: list[Trainer], weights: list[float]) -> None:
         """Become the batch-weighted average of self and `others` (weights[0] is self's)."""
@@ -148,6 +163,16 @@ class DiLoCoTrainer(Trainer):
             raise FloatingPointError(f"trainer {self.trainer_id}: non-finite pseudo-gradient; lower lr_inner")
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
+
+    def _shadow_outer_state(self, original: Trainer) -> None:
+        params = [self.master[n].requires_grad_(True) for n in sorted(self.parameter_names)]
+        group = original.outer_optimizer.param_groups[0]
+        self.outer_optimizer = torch.optim.SGD(params, **{k: group[k] for k in ("lr", "momentum", "nesterov",
+                                                                                "dampening", "weight_decay")})
+        for name, param in zip(sorted(self.parameter_names), params):
+            buffer = original.outer_optimizer.state.get(original.master[name], {}).get("momentum_buffer")
+            if buffer is not None:
+                self.outer_optimizer.state[param]["momentum_buffer"] = buffer.clone()
 
     @torch.no_grad()
     def absorb(self, others, weights):

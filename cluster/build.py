@@ -193,8 +193,6 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
             replica = replicate(model, device) if mine else None  # other processes hold the other nodes
             node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile)
             node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event
-            if replica is not None and cfg.eval_every_inner_steps:  # mid-round evaluations of its own weights
-                node.evaluator = Evaluator(replica, data.val, cfg.eval_batch_size, device, precision)
             node.offload_idle = cfg.offload_idle_nodes
             node.release()  # offloaded: it waits for its first round in host memory
             nodes.append(node)

@@ -158,7 +158,8 @@ class ClusterController:
         if record.comm is not None:  # torchrun: what this rank's collectives cost since the last round
             comm = record.comm
             self.logger.tracker.log({"comm/seconds": comm["seconds"], "comm/weights_mb": comm["weights_bytes"] / 1e6,
-                                     "comm/statistics_mb": comm["statistics_bytes"] / 1e6}, record.outer_step)
+                                     "comm/statistics_mb": comm["statistics_bytes"] / 1e6,
+                                     "comm/evaluation_mb": comm["evaluation_bytes"] / 1e6}, record.outer_step)
         if record.faults:
             self.logger.log_faults(record.faults)
         if record.step_losses is not None:

@@ -10,11 +10,14 @@ import logging
 import math
 from collections.abc import Callable
 
+import torch
+
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.clock import NodeWork
 from algorithms.comm_plan import CommPlan
 from cluster.clock_feed import ClockFeed
 from cluster.state import STALE, ClusterState
+from distributed.mid_round import MidRoundPlan, evaluation_steps
 from distributed.protocol import Backend, NodeFault, RoundResult
 from fabrics.eval_tool import EvalResult, Evaluator
 from node import NodeJob, RoundAbandoned
@@ -108,9 +111,7 @@ class RoundDriver:
                                     reset_optimizer=restart or state.owner[node_id] != t,
                                     inject_fault=self.injected.get((outer_step, node_id), ""),
                                     keep_local=self.streaming and state.continues[node_id] == version,
-                                    sync_gradients=trainer.syncs_gradients,
-                                    # the paper's mid-round evaluations: the trainer's first node, its own weights
-                                    eval_every=self.cfg.eval_every_inner_steps if node_id == assignment[t][0] else 0))
+                                    sync_gradients=trainer.syncs_gradients))
                 tokens = float(self.tokens_per_sequence[indices.reshape(-1)].sum())
                 self.clock.work(t, NodeWork(node_id, tokens, loader_batch, accumulation,
                                             trainer.transfer_bytes() if moved else 0))
@@ -136,17 +137,23 @@ class RoundDriver:
         log.warning("node fault at %s%s; its contribution is dropped (on_node_fault: skip)", where, more)
 
     def _inner_evals(self, outer_step: int, jobs: list, results: dict) -> list[dict]:
-        """inner_eval.csv's rows: each mid-round evaluation, with the tokens every node had seen by that inner step
-        (all trainers, from the start of the run; a node that failed still counts what it was given)."""
+        """inner_eval.csv's rows: each trainer's synced model at each mid-round evaluation, with the tokens every
+        node had seen by that inner step (all trainers, from the start of the run; a node that failed still counts
+        what it was given)."""
         rows = []
         for t, res in sorted(results.items()):
-            for node, evaluations in sorted(res.node_mid_round.items()):
-                for inner_step, metrics in evaluations:
-                    seen = sum(float(self.tokens_per_sequence[j.sample_indices[:inner_step].reshape(-1)].sum())
-                               for j in jobs)
-                    rows.append({"outer_step": outer_step, "trainer_id": t, "node_id": node, "inner_step": inner_step,
-                                 "global_tokens": self.state.tokens_total + int(seen), **metrics})
+            for inner_step, nodes, metrics in res.mid_round:
+                seen = sum(float(self.tokens_per_sequence[j.sample_indices[:inner_step].reshape(-1)].sum())
+                           for j in jobs)
+                rows.append({"outer_step": outer_step, "trainer_id": t, "nodes": " ".join(map(str, nodes)),
+                             "inner_step": inner_step, "global_tokens": self.state.tokens_total + int(seen),
+                             **metrics})
         return rows
+
+    def _synced_metrics(self, trainer_id: int, node_mean: dict[str, torch.Tensor]) -> dict[str, float]:
+        """A mid-round evaluation (distributed/mid_round.py): the trainer's outer step on its nodes' mean, applied
+        to a copy, evaluated."""
+        return self.evaluator.evaluate(self.trainers[trainer_id].synced_model(node_mean)).metrics
 
     def run(self, outer_step: int) -> RoundRecord:
         """One round for every trainer, outer steps, evaluation, batch tests: the step's record."""
@@ -155,10 +162,12 @@ class RoundDriver:
         jobs, moves = self.jobs(outer_step)
         # (loader_batch, accumulation_steps) each node ran, read off its job's index tensor
         plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
+        every = self.cfg.eval_every_inner_steps
+        mid_round = MidRoundPlan(evaluation_steps(every, jobs), self._synced_metrics) if every else None
         try:
             with self.round_window(outer_step):
                 self.backend.transfer(moves, self.trainers)
-                results, faults = self.backend.run_round(jobs, self.trainers)
+                results, faults = self.backend.run_round(jobs, self.trainers, mid_round)
         except RoundAbandoned:
             self.state.restore(before)
             raise

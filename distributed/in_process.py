@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, empty_wire, flatten, sum_wires
+from distributed.mid_round import MidRound, MidRoundPlan, SummedStates, evaluated_round
 from distributed.node_round import advance, combine, run_node
 from distributed.protocol import NodeFault, RoundResult
 from distributed.streamed import LEFT, streamed_round
@@ -67,12 +69,22 @@ class InProcessBackend:
             raise abandoned
         return outcomes
 
-    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None
-                  ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None,
+                  mid_round: MidRoundPlan | None = None) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+        evaluations = MidRound(mid_round, SummedStates(self.master_device)) if mid_round and mid_round.steps else None
         if self.streaming is not None:
-            return self._run_streaming(jobs, trainers)
-        if any(job.sync_gradients for job in jobs):
-            return self._run_synchronous(jobs)
+            combined, faults = self._run_streaming(jobs, trainers, evaluations)
+        elif any(job.sync_gradients for job in jobs):
+            combined, faults = self._run_synchronous(jobs, evaluations)
+        else:
+            combined, faults = self._run_plain(jobs, evaluations)
+        for t, rows in (evaluations.rows if evaluations is not None else {}).items():
+            if t in combined:  # a trainer whose every node failed keeps no row
+                combined[t].mid_round = rows
+        return combined, faults
+
+    def _run_plain(self, jobs: list[NodeJob], evaluations: MidRound | None):
+        """Each node's round start to end (run_node), or paused at the mid-round evaluations."""
         if not self.sync.exact:  # each trainer's master flattened once, not once per node
             flat = {}
             for job in jobs:
@@ -80,18 +92,22 @@ class InProcessBackend:
                     device = next(iter(job.master.values())).device
                     flat[job.trainer_id] = flatten(job.master, sorted(job.master), device)
             jobs = [dataclasses.replace(job, flat_master=flat[job.trainer_id]) for job in jobs]
-        outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
+        if evaluations is None:
+            outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
+        else:
+            outcomes = list(evaluated_round(self.nodes, jobs, evaluations,
+                                            partial(self._advance, sync=self.sync, release_paused=True)).values())
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}
         members = {t: sum(j.trainer_id == t for j in jobs) for t in masters}
         return combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device, masters,
                        members), faults
 
-    def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
+    def _run_streaming(self, jobs: list[NodeJob], trainers: dict[int, Trainer], evaluations: MidRound | None):
         """A Streaming DiLoCo round (distributed/streamed.py); a stop leaves it at once, every node together."""
         ended, errors = streamed_round(
             self.streaming, self.sync, self.nodes, jobs, trainers, _Wires(self.sync, self.master_device),
-            self._advance)
+            self._advance, evaluations)
         outcomes = [o for o in ended.values() if o is not LEFT]
         combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
                            streamed=True)
@@ -100,16 +116,18 @@ class InProcessBackend:
                 combined[t].outer_error = message
         return combined, [o for o in outcomes if isinstance(o, NodeFault)]
 
-    def _run_synchronous(self, jobs: list[NodeJob]):
+    def _run_synchronous(self, jobs: list[NodeJob], evaluations: MidRound | None):
         """A DDP / SNOO round (distributed/synchronous.py): the gradients averaged after every inner step."""
-        ended = synchronous_round(self.nodes, jobs, SummedGradients(), self._advance)
+        ended = synchronous_round(self.nodes, jobs, SummedGradients(), self._advance, evaluations)
         outcomes = list(ended.values())
         return (combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
                         identical=True), [o for o in outcomes if isinstance(o, NodeFault)])
 
-    def _advance(self, node_ids: list[int], round_steps: dict, job_of: dict) -> list:
+    def _advance(self, node_ids: list[int], round_steps: dict, job_of: dict, sync: OuterSync | None = None,
+                 release_paused: bool = False) -> list:
         """Those nodes to their next pause (distributed/node_round.py: advance), each in its device's turn."""
-        return self._map(lambda n: advance(round_steps[n], job_of[n], self.nodes[n]), node_ids, int)
+        return self._map(lambda n: advance(round_steps[n], job_of[n], self.nodes[n], sync, release_paused), node_ids,
+                         int)
 
     def agree(self, flag: bool) -> bool:
         """Whether any node's process has `flag` set (one process here; an all-reduce under torchrun)."""

@@ -60,12 +60,19 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
     return fault or result
 
 
-def advance(round_steps, job: NodeJob, node: Node | None = None) -> int | NodeResult | NodeFault:
+def advance(round_steps, job: NodeJob, node: Node | None = None, sync: OuterSync | None = None,
+            release_paused: bool = False) -> int | NodeResult | NodeFault:
     """Run a node's round (`Node.steps`) to its next pause: the pause's step count, or at the end its result;
     an exception or, at the end, non-finite numbers become a NodeFault (RoundAbandoned passes). node: released
-    (offload_idle_nodes) once its round has ended."""
+    (offload_idle_nodes) once its round has ended, and at each pause too with release_paused (a pause where only
+    its weights are read: a mid-round evaluation; it moves back in when it goes on). sync: a compressed outer sync's
+    pseudo-gradient is encoded at the end, as in `run_node` (not in a streamed round, whose fragments travel on
+    their own)."""
     try:
-        return next(round_steps)
+        paused = next(round_steps)
+        if release_paused and node is not None:
+            node.release()
+        return paused
     except StopIteration as done:
         result = done.value
     except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
@@ -76,9 +83,12 @@ def advance(round_steps, job: NodeJob, node: Node | None = None) -> int | NodeRe
         if node is not None:
             node.release()
         return _failed(job, exc)
+    fault = _checked(job, result)
+    if fault is None and sync is not None and not sync.exact and node is not None:
+        result.payload, node.residual = sync.encode(job.master, result.state, node.residual, job.flat_master)
     if node is not None:
         node.release()
-    return _checked(job, result) or result
+    return fault or result
 
 
 def token_shares(tokens: list[float]) -> list[float]:
@@ -125,7 +135,7 @@ def combine(results: list[NodeResult], plan: CommPlan, device: str = "cpu",
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),
             tokens=sum(r.tokens for r in group), optimizer_steps=sum(len(r.step_losses) for r in group),
             node_step_losses={r.node_id: r.step_losses for r in group},
-            learning_rate=group[0].learning_rate, node_mid_round={r.node_id: r.mid_round for r in group if r.mid_round})
+            learning_rate=group[0].learning_rate)
         samples = [(r.grad_samples, r.sample_batches) for r in group if r.grad_samples is not None]
         if samples:
             combined[trainer_id].statistics = trainer_statistics(samples, within_node, wire)

@@ -17,6 +17,7 @@ import torch
 
 from algorithms.calc_batch import GradientStatistics
 from algorithms.outer_sync import OuterSync
+from distributed.mid_round import MidRoundPlan
 from fabrics.eval_tool import EvalResult, Evaluator
 from node import NodeJob
 from trainers import Trainer
@@ -35,7 +36,8 @@ class RoundResult:
     learning_rate: float
     statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
     outer_error: str = ""  # streaming: a fragment's outer step failed (non-finite pseudo-gradient)
-    node_mid_round: dict[int, list] = field(default_factory=dict)  # eval_every_inner_steps: node -> (step, metrics)
+    # eval_every_inner_steps (distributed/mid_round.py): (inner step, nodes averaged, the synced model's metrics)
+    mid_round: list[tuple[int, list[int], dict[str, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -49,10 +51,11 @@ class NodeFault:
 
 
 class Backend(Protocol):
-    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer]
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer], mid_round: MidRoundPlan | None = None
                   ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
         """One round of node jobs, combined per trainer (the mean of its good nodes' weights in fp32, summed in
-        node-id order, so the result never depends on timing); the nodes that failed, as faults."""
+        node-id order, so the result never depends on timing); the nodes that failed, as faults. mid_round: the
+        nodes pause at its steps and each trainer's synced model is scored (distributed/mid_round.py)."""
 
     def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",
                  compression: OuterSync | None = None) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from algorithms.outer_sync import OuterSync, fragment_average, fragment_wire
 from algorithms.streaming import StreamingPlan, mix_fragment
+from distributed.mid_round import MidRound, advance_live, trainer_members
 from distributed.protocol import NodeFault
 from node import Node, NodeJob, NodeResult
 from trainers import Trainer
@@ -65,27 +66,31 @@ class FragmentTransport(Protocol):
 
 def streamed_round(plan: StreamingPlan, sync: OuterSync, nodes: list[Node], jobs: list[NodeJob],
                    trainers: dict[int, Trainer], transport: FragmentTransport,
-                   run_nodes: Callable[[list[int], dict, dict], list]) -> tuple[dict, dict[int, str]]:
+                   run_nodes: Callable[[list[int], dict, dict], list],
+                   mid_round: MidRound | None = None) -> tuple[dict, dict[int, str]]:
     """Run this process's `jobs` through one streamed round.
 
     run_nodes(node_ids, round_steps, job_of): advance those nodes to their next pause (`rounds.advance`), returning
     each one's outcome (a pause's step count, its result, its fault, or LEFT).
+    mid_round: the nodes also pause at its steps, where each trainer's synced model is scored (before that step's
+    sends and landings: the round ending there).
     Returns ({node: NodeResult | NodeFault | LEFT} for every node, {trainer: outer-step error})."""
     job_of = {j.node_id: j for j in jobs}
-    members = {t: sorted(j.node_id for j in jobs if j.trainer_id == t) for t in sorted({j.trainer_id for j in jobs})}
-    round_steps = {j.node_id: nodes[j.node_id].steps(j, plan.pauses) for j in jobs}
+    members = trainer_members(jobs)
+    evaluated = set(mid_round.steps) if mid_round is not None else set()
+    pauses = sorted(set(plan.pauses) | evaluated)
+    round_steps = {j.node_id: nodes[j.node_id].steps(j, pauses) for j in jobs}
     numels = {n: v.numel() for n, v in next(iter(trainers.values())).master.items()}
     spans, total = plan.offsets(numels), sum(numels.values())
     ended: dict[int, NodeResult | NodeFault | str] = {}  # a node's result, fault, or LEFT: it left the round
     in_flight: dict[int, dict[int, object]] = {}  # fragment -> trainer -> the transport's handle
     errors: dict[int, str] = {}
-    for step in [*plan.pauses, None]:  # None: on to the end of the round
-        live = [n for n in sorted(round_steps) if n not in ended]
-        for node_id, out in zip(live, run_nodes(live, round_steps, job_of)):
-            if not isinstance(out, int):
-                ended[node_id] = out
+    for step in [*pauses, None]:  # None: on to the end of the round
+        live = advance_live(round_steps, ended, job_of, run_nodes)
         if step is None:
             break
+        if step in evaluated:
+            mid_round.at(step, nodes, members, {n for n in live if n not in ended})
         for event in plan.events_at(step):
             f, names = event.fragment, plan.fragments[event.fragment]
             if not event.lands:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from distributed.mid_round import MidRound, advance_live, trainer_members
 from node import GRADIENTS, Node, NodeJob
 
 
@@ -25,16 +26,20 @@ class GradientTransport(Protocol):
 
 
 def synchronous_round(nodes: list[Node], jobs: list[NodeJob], transport: GradientTransport,
-                      run_nodes: Callable[[list[int], dict, dict], list]) -> dict[int, object]:
+                      run_nodes: Callable[[list[int], dict, dict], list],
+                      mid_round: MidRound | None = None) -> dict[int, object]:
     """Run this process's `jobs` through one synchronous round.
 
     run_nodes(node_ids, round_steps, job_of): advance those nodes to their next pause (`rounds.advance`), returning
     each one's outcome (GRADIENTS, its result, its fault, or LEFT). Every process calls the transport once per
     inner step and trainer, whatever became of its nodes, so the collectives match.
+    mid_round: after the optimizer steps of its steps the nodes pause again, and each trainer's synced model is
+    scored.
     Returns {node: NodeResult | NodeFault | LEFT} for every node."""
     job_of = {j.node_id: j for j in jobs}
-    members = {t: sorted(j.node_id for j in jobs if j.trainer_id == t) for t in sorted({j.trainer_id for j in jobs})}
-    round_steps = {j.node_id: nodes[j.node_id].steps(j) for j in jobs}
+    members = trainer_members(jobs)
+    evaluated = set(mid_round.steps) if mid_round is not None else set()
+    round_steps = {j.node_id: nodes[j.node_id].steps(j, sorted(evaluated)) for j in jobs}
     steps = max((j.sample_indices.shape[0] for j in jobs), default=0)  # the same for every node (config checks)
     ended: dict[int, object] = {}
     for step in range(steps + 1):  # each inner step's gradients, then on to the end of the round
@@ -56,6 +61,9 @@ def synchronous_round(nodes: list[Node], jobs: list[NodeJob], transport: Gradien
             for node_id in node_ids:
                 if node_id in paused and mean is not None:
                     nodes[node_id].load_gradients(mean)
+        if step + 1 in evaluated:  # on through the optimizer step, to the evaluation's pause
+            live = advance_live(round_steps, ended, job_of, run_nodes)
+            mid_round.at(step + 1, nodes, members, {n for n in live if n not in ended})
     return ended
 
 

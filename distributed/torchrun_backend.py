@@ -51,6 +51,7 @@ from algorithms.calc_batch import NodeGradientSums
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, empty_wire
 from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
+from distributed.mid_round import MidRound, MidRoundPlan, evaluated_round
 from distributed.node_round import advance, run_node, token_shares
 from distributed.protocol import NodeFault, RoundResult
 from distributed.ring import QuantizedRing, RingHalf, ordered_sum
@@ -87,7 +88,8 @@ class TorchrunBackend:
         self.groups: dict[tuple[int, ...], object] = {}
         # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
         # statistics, and trainers brought to rank 0 for checkpoints
-        self.sent = {"weights": 0.0, "statistics": 0.0, "checkpoint": 0.0}
+        # and (evaluation) the mid-round evaluations' means, which are the experimenter's, not the method's
+        self.sent = {"weights": 0.0, "statistics": 0.0, "checkpoint": 0.0, "evaluation": 0.0}
         self.round_comm = no_comm()
 
     def take_round_comm(self) -> dict:
@@ -106,7 +108,8 @@ class TorchrunBackend:
     def _count(self, kind: str, sent_bytes: float, seconds: float) -> None:
         self.sent[kind] += sent_bytes  # a float: a ring's 2 (n-1)/n shares add up to whole bytes over the ranks
         self.round_comm[f"{kind}_bytes"] += sent_bytes
-        self.round_comm["seconds"] += seconds
+        if kind != "evaluation":  # an evaluation's collective is the experimenter's time, not the method's
+            self.round_comm["seconds"] += seconds
 
     def _all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> torch.Tensor:
         """SUM over the group `members` (this rank among them); the result stays on the comm device."""
@@ -181,13 +184,14 @@ class TorchrunBackend:
             start += n
         return out
 
-    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None):
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None,
+                  mid_round: MidRoundPlan | None = None):
         try:
-            return self._run_round(jobs, trainers)
+            return self._run_round(jobs, trainers, mid_round)
         except CollectiveError as exc:  # only a collective's own failure: any other error is this rank's own
             raise self._failed(exc) from None
 
-    def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer]):
+    def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer], mid_round: MidRoundPlan | None):
         trainer_ids = sorted({j.trainer_id for j in jobs})
         members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainer_ids}
         for t in trainer_ids:  # new groups are made collectively, in the same order everywhere
@@ -196,13 +200,21 @@ class TorchrunBackend:
         # node_schedule: a rank whose node is away has no job; it idles, taking part in world collectives only
         job = next((j for j in jobs if j.node_id == self.rank), None)
         abandoned, outcome, outer_error = False, None, ""
+        evaluations = None
+        if job is not None and mid_round is not None and mid_round.steps:
+            evaluations = MidRound(mid_round, _States(self, members[job.trainer_id]))
         if job is None:
             pass
         elif self.streaming is not None:
-            outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers)
+            outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers, evaluations)
         elif job.sync_gradients:  # DDP / SNOO (distributed/synchronous.py): one all-reduce per inner step
             ended = synchronous_round(self.nodes, [job], _Gradients(self, members[job.trainer_id]),
-                                      partial(_advance_or_leave, self.nodes))
+                                      partial(_advance_or_leave, self.nodes), evaluations)
+            abandoned = ended[self.rank] is LEFT
+            outcome = None if abandoned else ended[self.rank]
+        elif evaluations is not None:  # paused at each evaluation: the trainer's group averages its nodes
+            ended = evaluated_round(self.nodes, [job], evaluations,
+                                    partial(_advance_or_leave, self.nodes, sync=self.sync))
             abandoned = ended[self.rank] is LEFT
             outcome = None if abandoned else ended[self.rank]
         else:
@@ -215,7 +227,9 @@ class TorchrunBackend:
         fact = {"node_id": self.rank, "trainer_id": mine, "abandoned": abandoned,
                 "fault": None if good or abandoned or job is None else vars(outcome),
                 "losses": outcome.step_losses if good else None, "tokens": outcome.tokens if good else 0,
-                "lr": outcome.learning_rate if good else 0.0, "mid_round": outcome.mid_round if good else [],
+                "lr": outcome.learning_rate if good else 0.0,
+                # scored by the trainer's first node, whatever became of it (distributed/mid_round.py)
+                "mid_round": evaluations.rows.get(mine, []) if evaluations is not None else [],
                 "has_samples": good and outcome.grad_samples is not None}
         facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
@@ -256,17 +270,21 @@ class TorchrunBackend:
             shared = self._gather({mine: dataclasses.replace(statistics, mean=torch.empty(0))}
                                   if statistics is not None and self.rank == members[mine][0] else {})
             shared_statistics = {t: s for part in shared for t, s in part.items()}
+        scored = {f["trainer_id"]: f["mid_round"] for f in facts if f["mid_round"]}
         return {t: trainer_result(good_facts[t], node_mean if t == mine else None, shared_statistics.get(t),
-                                  outer_error if t == mine else "") for t in trainer_ids if good_facts[t]}, faults
+                                  outer_error if t == mine else "", scored.get(t, []))
+                for t in trainer_ids if good_facts[t]}, faults
 
-    def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer]):
+    def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer],
+                       evaluations: MidRound | None):
         """This rank's node through a Streaming DiLoCo round (distributed/streamed.py): at each send its fragment
         wire goes into an asynchronous collective of its trainer's group (all-reduce exact, the ring's shards, or
         all-gather top-k) and the node trains on; at the landing the rank waits for it, steps its copy of the
         trainer's fragment and mixes it into its node. A node that failed or left the round (a stop) sends
         empty wires until the round ends, so its group's collectives still match; every member steps."""
         ended, errors = streamed_round(self.streaming, self.sync, self.nodes, [job], trainers,
-                                       _Collectives(self, members), partial(_advance_or_leave, self.nodes))
+                                       _Collectives(self, members), partial(_advance_or_leave, self.nodes),
+                                       evaluations)
         outcome = ended.get(self.rank)
         abandoned = outcome is LEFT
         return (None if abandoned else outcome), abandoned, errors.get(job.trainer_id, "")
@@ -360,7 +378,7 @@ class TorchrunBackend:
         pass
 
 
-def trainer_result(group: list[dict], node_mean, statistics, outer_error: str) -> RoundResult:
+def trainer_result(group: list[dict], node_mean, statistics, outer_error: str, mid_round: list) -> RoundResult:
     """A trainer's RoundResult from its good nodes' facts (the same on every rank)."""
     return RoundResult(
         node_mean=node_mean, nodes=[f["node_id"] for f in group],
@@ -368,11 +386,11 @@ def trainer_result(group: list[dict], node_mean, statistics, outer_error: str) -
         tokens=sum(f["tokens"] for f in group), optimizer_steps=sum(len(f["losses"]) for f in group),
         node_step_losses={f["node_id"]: f["losses"] for f in group},
         learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error,
-        node_mid_round={f["node_id"]: f["mid_round"] for f in group if f.get("mid_round")})
+        mid_round=mid_round)
 
 
 def no_comm() -> dict:
-    return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0}
+    return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0, "evaluation_bytes": 0}
 
 
 class _Collectives:
@@ -427,6 +445,29 @@ class _Collectives:
         return arrived
 
 
+class _States:
+    """A trainer's mid-round mean under torchrun (distributed/mid_round.py's NodeMeans): the fp32 weights and a flag
+    per member (zeros from a node that offers nothing) summed within the trainer's group in node-id order
+    (`ordered_sum`: the simulated cluster's digits), counted as evaluation bytes; the first member scores it."""
+
+    def __init__(self, backend: TorchrunBackend, members: tuple[int, ...]) -> None:
+        self.backend, self.members = backend, members
+
+    def mean(self, trainer_id: int, node_ids: list[int], states: list[dict[str, torch.Tensor] | None]):
+        (state,) = states  # this rank's node
+        backend, members = self.backend, tuple(sorted(self.members))  # node-id order
+        flags = torch.zeros(len(members), device=backend.comm_device)
+        if state is not None:
+            flags[members.index(backend.rank)] = 1.0
+        wire = torch.cat([backend._flat(state), flags])
+        if len(members) > 1:
+            wire = ordered_sum(wire, members, backend.rank, partial(backend._all_to_all, kind="evaluation"))
+        offered = [m for m, flag in zip(members, wire[-len(members):].tolist()) if flag]
+        if backend.rank != min(members) or not offered:
+            return None
+        return backend._unflat((wire[:-len(members)] / len(offered)).to(backend.master_device)), offered
+
+
 class _Gradients:
     """A synchronous trainer's gradients under torchrun (distributed/synchronous.py's GradientTransport): one
     all-reduce (SUM) of the trainer's group per inner step, the fp32 gradient and a count of 1 (0 and zeros from
@@ -461,13 +502,14 @@ class _Gradients:
 
 
 
-def _advance_or_leave(nodes: list, node_ids: list[int], round_steps: dict, job_of: dict) -> list:
+def _advance_or_leave(nodes: list, node_ids: list[int], round_steps: dict, job_of: dict,
+                      sync: OuterSync | None = None) -> list:
     """This rank's node to its next pause (released once its round ends: offload_idle_nodes); a stop request leaves
-    the round (the node then sends empty wires)."""
+    the round (the node then sends empty wires). sync: a plain round's compressed outer sync, encoded at the end."""
     outcomes = []
     for node_id in node_ids:
         try:
-            outcomes.append(advance(round_steps[node_id], job_of[node_id], nodes[node_id]))
+            outcomes.append(advance(round_steps[node_id], job_of[node_id], nodes[node_id], sync))
         except RoundAbandoned:
             outcomes.append(LEFT)
     return outcomes

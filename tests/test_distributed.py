@@ -165,7 +165,7 @@ RUN = ["num_inner_steps=3", "num_init_trainers=4", "nodes_per_gpu=2", "devices=[
        "eval_batch_size=8", "initial_batch_size=3", "max_batch_size=2", "ETA=0.3", "max_requested_batch=8",
        "merge_frequency=2", "save_weights_every=2", "plot_every=0", "tokenizer=bpe", "tokenizer_vocab_size=512",
        "embedded_sources=[tiny]", "clearml_mode=off", "num_outer_steps=6", "outer_momentum=0.9",
-       "outer_nesterov=true"]
+       "outer_nesterov=true", "eval_every_inner_steps=2"]
 
 
 WEIGHTS_COLUMNS = ("train_loss", "val_perplexity", "val_loss")
@@ -180,7 +180,7 @@ def csv_rows(run_dir, name):
 
 def assert_same_decisions(expected_dir, got_dir, ignore=()):
     """Decisions identical (nodes, batches, merges); every number within 1e-4 relative (but `ignore`'s)."""
-    for name in ("training_log.csv", "merge_events.csv", "step_loss_log.csv", "node_clock.csv"):
+    for name in ("training_log.csv", "merge_events.csv", "step_loss_log.csv", "node_clock.csv", "inner_eval.csv"):
         expected, got = csv_rows(expected_dir, name), csv_rows(got_dir, name)
         assert len(expected) == len(got), name
         for e, g in zip(expected, got):
@@ -232,6 +232,13 @@ def test_torchrun_four_processes_equal_the_simulated_cluster(simulated, tmp_path
         assert [g[k] for k in WEIGHTS_COLUMNS] == [e[k] for k in WEIGHTS_COLUMNS]
         assert [g[k] for k in STATISTICS_COLUMNS] == [e[k] for k in STATISTICS_COLUMNS], e["outer_step"]
     assert any(e["variance"] for e in csv_rows(simulated, "training_log.csv"))
+    # the mid-round evaluations: each trainer's synced model, its nodes averaged in node-id order on both backends,
+    # the same digits; their collectives counted apart from the method's bytes
+    inner = csv_rows(simulated, "inner_eval.csv")
+    assert len(inner) == len(csv_rows(simulated, "training_log.csv")) - 4  # one per trainer and round (not step 0)
+    assert any(len(r["nodes"].split()) > 1 for r in inner)
+    assert csv_rows(tmp_path / "dist", "inner_eval.csv") == inner
+    assert sent["evaluation"] > 0
 
 
 def requested_batches(run_dir):

@@ -198,9 +198,9 @@ def test_both_readings_of_the_papers_cluster_run_their_first_round_on_cpu(tmp_pa
 
 
 def test_evaluations_within_a_round_change_no_training_number(tiny_config):
-    """eval_every_inner_steps: the trainer's first node evaluated at inner steps 1 and 2 of 3 (not 3: the trainer is
-    evaluated after its outer step), every round, with the tokens seen by then; every training number and decision is
-    what the same run without them gives."""
+    """eval_every_inner_steps: each trainer's synced model (all its nodes averaged) evaluated at inner steps 1 and 2
+    of 3 (not 3: the trainer is evaluated after its outer step), every round, with the tokens seen by then; every
+    training number and decision is what the same run without them gives."""
     plain_dir, _ = train(tiny_config("run_name=plain"))
     run_dir, _ = train(tiny_config("run_name=evaluated", "eval_every_inner_steps=1"))
 
@@ -213,9 +213,9 @@ def test_evaluations_within_a_round_change_no_training_number(tiny_config):
     assert rows(plain_dir, "inner_eval.csv") == []
     inner, log = rows(run_dir, "inner_eval.csv"), rows(run_dir, "training_log.csv")
     steps = {r["outer_step"] for r in log} - {"0"}
-    expected = [(s, r["trainer_id"], r["nodes"].split()[0], str(j)) for s in sorted(steps, key=int)
+    expected = [(s, r["trainer_id"], r["nodes"], str(j)) for s in sorted(steps, key=int)
                 for r in log if r["outer_step"] == s for j in (1, 2)]
-    assert [(r["outer_step"], r["trainer_id"], r["node_id"], r["inner_step"]) for r in inner] == expected
+    assert [(r["outer_step"], r["trainer_id"], r["nodes"], r["inner_step"]) for r in inner] == expected
     for r in inner:  # between the tokens before the round and after it
         end = int(next(x["global_tokens"] for x in log if x["outer_step"] == r["outer_step"]))
         before = max((int(x["global_tokens"]) for x in log if int(x["outer_step"]) == int(r["outer_step"]) - 1),

@@ -43,15 +43,15 @@ def trials_of(storage, name="diloco_b2"):
 def test_points_are_one_halton_sequence_mapped_onto_each_space():
     cfg = load_config(ROOT / "config.yaml", ["lr_inner=0.003"])
     space = (LR_INNER, ETA)
-    # relative bounds: two decades around the regime's lr, rounded to 4 digits; ETA absolute
-    assert LR_INNER.bounds(cfg) == (0.0003, 0.03) and ETA.bounds(cfg) == (0.4, 1.0)
+    # relative bounds: 0.1x to 50x the regime's lr, rounded to 4 digits; ETA absolute
+    assert LR_INNER.bounds(cfg) == (0.0003, 0.15) and ETA.bounds(cfg) == (0.3, 1.5)
     whole = qmc.Halton(d=2, scramble=True, seed=SEQUENCE_SEED).random(6)
     for i in range(6):  # point i does not depend on which points were drawn before it (any worker, any order)
         assert unit_point(i, 2) == pytest.approx(list(whole[i]), abs=1e-12)
         u = unit_point(i, 2)
         params = point_params(i, space, cfg)
-        assert params["lr_inner"] == float(f"{0.0003 * 100 ** u[0]:.4g}")  # log-uniform
-        assert params["ETA"] == float(f"{0.4 + 0.6 * u[1]:.4g}")  # uniform
+        assert params["lr_inner"] == float(f"{0.0003 * 500 ** u[0]:.4g}")  # log-uniform
+        assert params["ETA"] == float(f"{0.3 + 1.2 * u[1]:.4g}")  # uniform
     points = [tuple(point_params(i, space, cfg).values()) for i in range(8)]
     assert len(set(points)) == 8
     # the sequence fills the space evenly: axis 1 (base 2) puts 4 of the first 8 points in each half, axis 2 (base 3)
@@ -64,7 +64,8 @@ def test_points_are_one_halton_sequence_mapped_onto_each_space():
 def test_each_study_draws_its_own_points_and_searches_its_knobs_jointly():
     """Two studies with the same space draw different points (each its own scrambling, from its variant's name, the
     same on every machine); within one, the trials near any lr inside the range (within a factor of 2) meet at least
-    3 values of every other knob, discrete ones included: AdLoCo's 4 knobs at 32 trials, 2-4 knobs at 16."""
+    3 values of every other knob, discrete ones included, at the 28 trials the sweeps run (24 left AdLoCo's knobs
+    with 2 near some lrs once the lr range grew to 0.1x-50x)."""
     cfg = load_config(ROOT / "config.yaml", ["lr_inner=0.003"])
     known = catalogue(cfg, [1, 2, 4, 8, 16], 0.3)
     assert design_seed("adloco") == design_seed("adloco") != design_seed("adloco_never_accumulate")
@@ -72,10 +73,10 @@ def test_each_study_draws_its_own_points_and_searches_its_knobs_jointly():
     a = [point_params(i, space, cfg, design_seed("adloco")) for i in range(16)]
     b = [point_params(i, space, cfg, design_seed("adloco_never_accumulate")) for i in range(16)]
     assert {p["lr_inner"] for p in a}.isdisjoint({p["lr_inner"] for p in b})
-    for name, trials in (("adloco", 32), ("adloco_never_accumulate", 32), ("adloco_paper", 32),
-                         ("diloco_tuned_batch", 16), ("snoo_tuned_batch", 16), ("diloco_nesterov_b4", 16)):
+    for name in ("adloco", "adloco_never_accumulate", "adloco_paper", "diloco_tuned_batch", "snoo_tuned_batch",
+                 "diloco_nesterov_b4", "ddp_tuned_batch"):
         space = known[name].search
-        points = [point_params(i, space, cfg, design_seed(name)) for i in range(trials)]
+        points = [point_params(i, space, cfg, design_seed(name)) for i in range(28)]
         for knob in space:
             if knob.choices:
                 assert {p[knob.key] for p in points} == set(knob.choices), (name, knob.key)

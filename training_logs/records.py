@@ -101,11 +101,12 @@ class MergeEvent:
 
 @dataclasses.dataclass
 class InnerEval:
-    """inner_eval.csv (eval_every_inner_steps): one row per mid-round evaluation of a trainer's first node's own
-    weights. global_tokens: what every node of every trainer had seen by that inner step, from the run's start."""
+    """inner_eval.csv (eval_every_inner_steps): one row per mid-round evaluation of a trainer's synced model (its
+    outer step applied to a copy, on the mean of `nodes`' weights at that inner step: distributed/mid_round.py).
+    global_tokens: what every node of every trainer had seen by that inner step, from the run's start."""
     outer_step: int
     trainer_id: int
-    node_id: int
+    nodes: str
     inner_step: int
     global_tokens: int
     val_perplexity: float | None = None

@@ -278,10 +278,12 @@ class ConfigFields:
     section("evaluation and outputs")
     eval_batch_size: int = _f(16, "Sequences per validation forward pass.", min=1)
     eval_every_inner_steps: int = _f(0, "Also evaluate within a round, every this many inner steps (the paper: every "
-                                     "10 steps): each trainer's first node evaluates its own local weights, as they "
-                                     "stand, on the validation set (no sync, nothing sent; one evaluation's compute on "
-                                     "that node); model_training_report/inner_eval.csv. 0 = only after each outer "
-                                     "step. Training numbers do not change.", min=0, resume=True)
+                                     "10 steps): each trainer's synced model, its outer step applied to a copy on "
+                                     "the mean of its nodes' weights at that step (the model it would hold if the "
+                                     "round ended there; the same rule for every method), on the validation set; "
+                                     "the nodes pause there; nothing of it is counted as the method's traffic or "
+                                     "time; model_training_report/inner_eval.csv. 0 = only after each outer step. "
+                                     "Training numbers do not change.", min=0, resume=True)
     save_weights_every: int = _f(4, "Checkpoint every this many outer steps (and at the end); 0 = only at the end.",
                                  min=0, resume=True)
     keep_checkpoints: int = _f(3, "Keep the newest this many complete checkpoints in model_weights (final included; "

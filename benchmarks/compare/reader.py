@@ -93,6 +93,8 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     evaluations = read_records(inner, InnerEval) if inner.is_file() else []
     return {"run_dir": run_dir, "curve": curve, "fine_curve": fine_curve(curve, evaluations, metric, inner_steps),
             "evaluated_every": min((e.inner_step for e in evaluations), default=inner_steps),
+            # runs before the synced rule (no `nodes` column) scored the trainer's first node's own weights
+            "synced_mid_round": all(e.nodes is not None for e in evaluations),
             "summary": summary, "metric": metric, "final": summary["final_metric"],
             "best_seen": summary.get("best_metric_seen"), "ran": ran_shapes([dataclasses.asdict(r) for r in trained]),
             "merges": [{"before": [float(v) for v in m.metric_before.split()], "weighted": m.metric_weighted_before,
@@ -105,9 +107,10 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
 
 def fine_curve(curve: list[dict], evaluations: list[InnerEval], metric: str, inner_steps: int) -> list[dict]:
     """The curve with the mid-round evaluations (eval_every_inner_steps) between its outer steps: at inner step j
-    of outer step s, the best trainer's first-node metric, at steps (s - 1) H + j and the tokens seen by then; the
-    simulated time interpolated by j / H; the counters (rounds, syncs, bytes) those of the step before. Steps and
-    time to a target read it, at the evaluations' granularity; without evaluations it is the curve."""
+    of outer step s, the best trainer's synced-model metric (older runs: its first node's), at steps (s - 1) H + j
+    and the tokens seen by then; the simulated time interpolated by j / H; the counters (rounds, syncs, bytes) those
+    of the step before. Steps and time to a target read it, at the evaluations' granularity; without evaluations it
+    is the curve."""
     if not evaluations:
         return curve
     pick = max if metric == "val_accuracy" else min

@@ -212,9 +212,12 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
                    f"{run_config.get('network', '?')} network, " + (
                        f"a flat {run_config.get('node_tokens_per_s', '?')} tokens/s per node"
                        if run_config.get("throughput", "flat") == "flat" else f"throughput {run_config['throughput']}"))
+    synced = all(r.get("synced_mid_round", True) for runs in results.values() for r in runs)
+    scored = ("each trainer's synced model within a round (its outer step on a copy, on its nodes' mean)" if synced
+              else "each trainer's first node's own weights within a round (runs made before the synced rule)")
     granularity = (f"one evaluation per outer step, so steps count in whole rounds of H = {h} inner steps"
-                   if every >= h else f"an evaluation every {every} inner steps (eval_every_inner_steps: each "
-                   f"trainer's first node's own weights within a round, the trainer's after each outer step; H = {h})")
+                   if every >= h else f"an evaluation every {every} inner steps (eval_every_inner_steps: {scored}, "
+                   f"the trainer's after each outer step; H = {h})")
     lines = [f"## Per seed, paired (runs.csv: one row per variant and seed; {metric} at the token budget "
              f"{budget:.6g})", "",
              "Each variant's per-seed difference from the reference at matched tokens (`at_budget`, the value at "

@@ -42,17 +42,19 @@ class Knob:
 
 
 # The search spaces (the same for every method where the methods share a key): every method tunes its inner
-# learning rate over two decades around the regime's; the Nesterov outer steps (diloco_nesterov, snoo) their outer
-# lr and momentum; the adaptive AdLoCos their norm test's ETA.
-LR_INNER = Knob("lr_inner", 0.1, 10.0, log=True, relative=True)
+# learning rate over 2.7 decades around the regime's, 0.1x to 50x (the first design's 0.1x-10x put the best
+# points of the warm and nano regimes on its top edge; 50x takes the warm regime's 1e-4 to 5e-3); the Nesterov
+# outer steps (diloco_nesterov, snoo) their outer lr and momentum; the adaptive AdLoCos their norm test's ETA (up
+# to 1.5: nano's best first point sat at 0.99; above 1 the test tolerates a noise larger than the gradient).
+LR_INNER = Knob("lr_inner", 0.1, 50.0, log=True, relative=True)
 OUTER = (Knob("lr_outer", 0.2, 1.0, log=True), Knob("outer_momentum", 0.5, 0.95))
-ETA = Knob("ETA", 0.4, 1.0)
+ETA = Knob("ETA", 0.3, 1.5)
 # AdLoCo's own batch knobs, searched jointly with its lr and ETA (issue 58): how often trainers merge, and the batch
 # it starts from (the micro_batches estimator splits a node's step, so it needs 2 or more; the paper's nodes
-# estimator starts from 1)
-MERGE_EVERY = Knob("merge_frequency", choices=(1, 2, 3, 4, 6))
-START_BATCH = Knob("initial_batch_size", choices=(2, 4, 8))
-PAPER_START_BATCH = Knob("initial_batch_size", choices=(1, 2, 4))
+# estimator starts from 1); nano's best first point sat on the largest of both (6, 8)
+MERGE_EVERY = Knob("merge_frequency", choices=(1, 2, 3, 4, 6, 8, 12))
+START_BATCH = Knob("initial_batch_size", choices=(2, 4, 8, 16))
+PAPER_START_BATCH = Knob("initial_batch_size", choices=(1, 2, 4, 8))
 ADAPTIVE_SPACE = (LR_INNER, ETA, MERGE_EVERY, START_BATCH)
 PAPER_SPACE = (LR_INNER, ETA, MERGE_EVERY, PAPER_START_BATCH)
 
