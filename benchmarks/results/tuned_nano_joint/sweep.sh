@@ -6,7 +6,9 @@
 # mean at the token budget), 28 trials per study (equal per method: the fewest at which the trials near any lr,
 # within a factor of 2, meet 3 values of each other knob over the 0.1x-50x lr range; tests/test_tune.py). PRIMARY first: the paper's AdLoCo, ours and DiLoCo with its batch
 # tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds: CRITICAL) and
-# the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed).
+# the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed). Every
+# run evaluates each trainer's synced model every 2 of its 10 inner steps (eval_every_inner_steps: steps to a target
+# at that grain, not in whole rounds).
 # About 4.7 minutes of one core per run: a multi-session study, continued by the same command with the same
 # --storage; the journal is committed as it grows. avx2 kernels, as the probe.
 # ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
@@ -26,4 +28,5 @@ exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.ya
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
   --variants "$VARIANTS" --trials "$TRIALS" --tuning_seed 1000,1001 --workers "${WORKERS:-1}" \
   --storage "$OUT"/studies.journal --out "$OUT" \
-  model_config.name=microllama-nano max_requested_batch=64 cpu_threads=1 cpu_capability=avx2
+  model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 cpu_threads=1 \
+  cpu_capability=avx2
