@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from algorithms.buckets import bucket_for
 from fabrics.dataset_loader import PackedData
 from fabrics.precision import PRECISIONS, Precision
 from utils.model_state import float_state, load_float_state
@@ -84,13 +85,16 @@ class NodeResult:
 
 class Node:
     def __init__(self, node_id: int, device: str, model: torch.nn.Module, make_optimizer, grad_clip: float,
-                 data: PackedData, precision: Precision = PRECISIONS["fp32"], compile_model: bool = False) -> None:
+                 data: PackedData, precision: Precision = PRECISIONS["fp32"], compile_model: bool = False,
+                 compile_backend: str = "inductor") -> None:
         self.node_id, self.device, self.model = node_id, device, model  # model None: the node runs elsewhere
         self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
         self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self.precision = precision
         # compiled once, here: the wrapper shares the replica's parameters, so weights still load into `model`
-        self.forward = torch.compile(model) if compile_model and model is not None else model
+        # (one graph per shape: micro-batches come in buckets, each compiled before training by `warm_up`)
+        self.forward = (torch.compile(model, backend=compile_backend, dynamic=False)
+                        if compile_model and model is not None else model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None  # fp16: this node's dynamic loss scale
         self.max_batch = 0
@@ -102,6 +106,8 @@ class Node:
         # made that trainer from this one's state) and is checkpointed with the node.
         self.residual: torch.Tensor | None = None
         self.round_losses: list[torch.Tensor] = []  # the losses of the round so far, at a pause
+        self.masked = True  # whether this round's batches need an attention mask (PackedData.needs_mask)
+        self.buckets: list[int] = []  # compile: the micro-batch sizes it runs (algorithms/buckets.py; set by build)
         self.offload_idle = False  # offload_idle_nodes: weights and optimizer state wait in host memory
         self.resident = True  # whether the weights and optimizer state are on `device` now
         self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> its host buffer (reused every round)
@@ -190,17 +196,66 @@ class Node:
         self.scaler = self.precision.scaler(self.device)
 
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
-        ids = self.data.input_ids[idx].to(self.device, non_blocking=True)
-        mask = self.data.attention_mask[idx].to(self.device, non_blocking=True)
-        if self.data.labels is not None:  # classification: one label per sequence
-            labels = self.data.labels[idx].to(self.device, non_blocking=True)
-        else:  # language modelling: the model shifts labels by one itself; padding is excluded from the loss
-            labels = ids.masked_fill(mask == 0, -100)
+        """One micro-batch's forward and backward, its loss scaled by `scale`; the unscaled loss, still on the device
+        (nothing here reads the device: tests/test_host_syncs.py)."""
+        if self.buckets and self.data.labels is None:  # compiled: the micro-batch padded to its bucket
+            ids, labels = self._bucketed(idx)
+            with self.precision.autocast(self.device):
+                loss = self.forward(input_ids=ids, labels=labels).loss
+            scaled = loss * scale
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            return loss.detach().float()
+        ids = self._to_device(self.data.input_ids[idx])
+        if not self.masked:  # packed language-model sequences, none padded: causal attention, every token a label
+            mask, labels = None, ids  # (the model shifts labels by one itself)
+        else:
+            mask = self._to_device(self.data.attention_mask[idx])
+            if self.data.labels is not None:  # classification: one label per sequence
+                labels = self._to_device(self.data.labels[idx])
+            else:  # language modelling: padding is excluded from the loss
+                labels = ids.masked_fill(mask == 0, -100)
         with self.precision.autocast(self.device):
             loss = self.forward(input_ids=ids, attention_mask=mask, labels=labels).loss
         scaled = loss * scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach().float()
+
+    def _to_device(self, rows: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's rows (gathered in host memory) on the node's device: on CUDA through pinned memory, copied
+        asynchronously (a copy from pageable memory makes the host wait); on a CPU, as they are."""
+        if self.device.startswith("cuda"):
+            rows = rows.pin_memory()
+        return rows.to(self.device, non_blocking=True)
+
+    def _bucketed(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compiled node's micro-batch (algorithms/buckets.py): the sequences and their labels, padded with
+        label-less rows up to the bucket, built in host memory. No attention mask: padding only ever ends a
+        sequence, so under causal attention no real token sees it, and its positions carry no label; the loss is the
+        mean over labelled tokens, so it and every gradient are the unpadded micro-batch's."""
+        ids = self.data.input_ids[idx]
+        labels = ids.masked_fill(self.data.attention_mask[idx] == 0, -100)
+        rows = bucket_for(len(idx), self.buckets)
+        if rows > len(idx):
+            ids = torch.cat([ids, ids.new_zeros(rows - len(idx), ids.shape[1])])
+            labels = torch.cat([labels, labels.new_full((rows - len(idx), labels.shape[1]), -100)])
+        return self._to_device(ids), self._to_device(labels)
+
+    def warm_up(self) -> int:
+        """compile: every bucket's forward and backward compiled now, before training; the number of buckets. The
+        weights do not change (no optimizer step; the gradients are dropped) and no RNG is drawn."""
+        self._load_in()
+        self.model.train()
+        length = self.data.input_ids.shape[1]
+        for rows in self.buckets:
+            ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
+            labels = ids.clone()  # a tensor of its own, as in training (dynamo guards on aliasing)
+            with self.precision.autocast(self.device):
+                loss = self.forward(input_ids=ids, labels=labels).loss
+            loss.backward()
+        for p in self.params:
+            p.grad = None
+        self.release()
+        return len(self.buckets)
 
     def _flat_grad(self) -> torch.Tensor:
         """The accumulated gradient as one fp32 vector, without the fp16 loss scale."""
@@ -273,6 +328,9 @@ class Node:
         if not job.keep_local:
             load_float_state(self.model, job.master)
         self.model.train()
+        # what the round's batches are, read once at its start from host memory (never the device)
+        self.masked = self.data.needs_mask(job.sample_indices)
+        tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
         steps, accumulation, _ = job.sample_indices.shape
         losses, grad_samples, sample_batches = [], None, None
         bar = tqdm(total=steps, desc=f"node {self.node_id}", leave=False, position=1) if self.show_progress else None
@@ -315,7 +373,6 @@ class Node:
             bar.close()
         if grad_samples is not None and self.sketch is not None:
             grad_samples = self.sketch(grad_samples)  # on this node, before anything travels
-        tokens = int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum())
         step_losses = torch.stack(losses).float().cpu().tolist()  # one sync per round, not per step
         return NodeResult(job.node_id, job.trainer_id, float_state(self.model), step_losses, tokens, grad_samples,
                           sample_batches, self.optimizer.param_groups[0]["lr"])

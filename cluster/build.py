@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
 
+from algorithms.buckets import micro_batch_buckets
 from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test
 from algorithms.clock import Clock, NodeSchedule, ThroughputCurve
 from algorithms.comm_plan import CommPlan, WireSizes, gradient_samples
@@ -66,6 +68,7 @@ class ClusterParts:
     driver: RoundDriver
     resume_state: dict | None  # the checkpoint's state besides the trainers, read once
     memory_plan: MemoryPlan | None = None  # at the nodes' max batch (cluster/memory_plan.py); None under torchrun
+    compiled: dict | None = None  # compile: the buckets and the warm-up's graphs (warm_up_compiled)
 
 
 def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_event: threading.Event,
@@ -121,7 +124,9 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
         memory = plan_of_run(cfg, model, max(n.max_batch for n in nodes), master_device)
         for line in memory.lines():
             log.info("%s", line)
-    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state, memory)
+    compiled = warm_up_compiled(nodes, data) if cfg.compile else None
+    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state, memory,
+                        compiled)
 
 
 def build_sketch(cfg: Config, nodes: list[Node], grad_chunks: int, trainable: int,
@@ -191,7 +196,8 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
                     probed[same] = _probe(cfg, model, make_optimizer, device, key, spec, data)
                 max_batch = probed[same]
             replica = replicate(model, device) if mine else None  # other processes hold the other nodes
-            node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile)
+            node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile,
+                        cfg.compile_backend)
             node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event
             node.offload_idle = cfg.offload_idle_nodes
             node.release()  # offloaded: it waits for its first round in host memory
@@ -205,6 +211,29 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
             node.max_batch = max_batch
     log.info("nodes: %s", ", ".join(f"{n.node_id}@{n.device} (max batch {n.max_batch})" for n in nodes))
     return nodes
+
+
+def warm_up_compiled(nodes: list[Node], data: CorpusData) -> dict:
+    """compile: each node's micro-batch buckets (algorithms/buckets.py) compiled before training, and reported;
+    what the summary records (`graphs_after_warm_up` is filled in at the end: 0 when no shape was new)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    mine = [n for n in nodes if n.model is not None]
+    for node in mine:
+        node.buckets = micro_batch_buckets(node.max_batch) if data.train.labels is None else []
+    largest = max((len(n.buckets) for n in mine), default=0)
+    # dynamo runs eager, silently, past this many graphs of one function: room for every bucket, and for the
+    # evaluation's and the probe's own shapes
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * largest + 8)
+    start, before = time.perf_counter(), counters["stats"]["unique_graphs"]
+    for node in mine:
+        node.warm_up()
+    graphs = counters["stats"]["unique_graphs"] - before
+    buckets = sorted({b for n in mine for b in n.buckets})
+    log.info("compile: micro-batches padded to the buckets %s; warm-up compiled %d graphs in %.1f s, before "
+             "training", " ".join(map(str, buckets)), graphs, time.perf_counter() - start)
+    return {"buckets": buckets, "warm_up_graphs": graphs, "graphs_before_training": counters["stats"]["unique_graphs"]}
 
 
 def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingPlan | None:

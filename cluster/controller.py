@@ -25,6 +25,7 @@ from cluster.round_driver import RoundRecord
 from fabrics.dataset_loader import CorpusData
 from node import RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
+from utils import collector
 from utils.checkpoint import Checkpoint, FinalModel, prune_checkpoints, save_checkpoint
 from utils.config import Config
 from utils.errors import RunStopped, TrainingFault, UserError
@@ -53,7 +54,8 @@ class ClusterController:
         self.backend, self.clock, self.driver = parts.backend, parts.clock, parts.driver
         self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
         self.memory_plan = parts.memory_plan
-        self.driver.round_window = self._memory_window
+        self.compiled = parts.compiled  # compile: the buckets and the warm-up (cluster/build.py: warm_up_compiled)
+        self.driver.round_window = self._round_window
         self._start = time.time()  # reset when training starts
         if resume is not None:
             for t, trainer in self.trainers.items():
@@ -73,11 +75,12 @@ class ClusterController:
         return cls(cfg, parts, data, logger, weights_dir, resume, stop, dist_env)
 
     @contextlib.contextmanager
-    def _memory_window(self, outer_step: int):
-        """The memory monitor samples while a round's node work runs."""
+    def _round_window(self, outer_step: int):
+        """While a round's node work runs: the memory monitor samples, Python's collector waits (utils/collector.py)."""
         self.logger.memory.begin_round(outer_step)
         try:
-            yield
+            with collector.paused():
+                yield
         finally:
             self.logger.memory.end_round(outer_step)
 
@@ -189,6 +192,7 @@ class ClusterController:
         bar = tqdm(steps, desc="outer steps", unit="step", dynamic_ncols=True, initial=first_step - 1,
                    total=cfg.num_outer_steps)
         self.stop.can_checkpoint = True
+        collector.freeze_setup()
         try:
             for outer_step in bar:
                 tokens_before = state.tokens_total
@@ -225,6 +229,7 @@ class ClusterController:
             if self.backend.agree(self.stop.requested):
                 raise self._stopped()
         finally:
+            collector.thaw()
             bar.close()
             self.backend.close()
         # A signal from here on only sets the flag: the final checkpoint is short and completes the run.
@@ -276,6 +281,14 @@ class ClusterController:
             summary["compressed_sync"] = "ring" if self.plan.outer_sync.ring else "all_gather"
         if sent is not None:  # weights == weights_traffic_bytes: the accounting is what was sent
             summary["bytes_sent_by_collectives"] = sent
+        if self.compiled is not None:  # compile: graphs made after the warm-up (0: no shape was new in training)
+            from torch._dynamo.utils import counters
+
+            made = counters["stats"]["unique_graphs"] - self.compiled["graphs_before_training"]
+            summary["compile"] = {"buckets": self.compiled["buckets"],
+                                  "warm_up_graphs": self.compiled["warm_up_graphs"], "graphs_after_warm_up": made}
+            if made:
+                log.warning("compile: %d graphs were compiled during training, after the warm-up", made)
         if self.memory_plan is not None:  # what each device holds at the nodes' max batch (cluster/memory_plan.py)
             summary["memory_plan"] = self.memory_plan.as_dict()
         if not math.isfinite(scores[final_id]):

@@ -179,6 +179,14 @@ class PackedData:
 
     def __post_init__(self) -> None:
         self.tokens_per_sequence = self.attention_mask.sum(dim=1)
+        # which sequences hold padding (packing pads only each group's last one): a batch of none of them needs no
+        # attention mask, whose checks in transformers read the device (node.py)
+        self.padded = self.tokens_per_sequence < self.attention_mask.shape[1]
+
+    def needs_mask(self, indices: torch.Tensor) -> bool:
+        """Whether a batch of these sequences needs an attention mask: classification batches always (BERT pads
+        every review), language-model batches when one of them is padded. Host memory only: no device is read."""
+        return self.labels is not None or bool(self.padded[indices.reshape(-1)].any())
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -78,6 +78,41 @@ def test_fp16_scaler_skips_an_overflowing_step(tiny_config):
     assert torch.cuda.memory_allocated() > 0
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_inner_steps_never_wait_for_the_gpu(tiny_config, precision):
+    """Issue 59: a round's inner steps under torch.cuda.set_sync_debug_mode("error") (any synchronising call raises),
+    fused AdamW and clipping included; only the round's start and end may read the device (tests/test_host_syncs.py
+    counts the reads on CPU; this catches copies to the host as well)."""
+    from trainers import DiLoCoTrainer
+
+    cfg = tiny_config("devices=[cuda]", f"precision={precision}")
+    node, master = _node(tiny_config, precision, DiLoCoTrainer.inner_optimizer_factory(cfg))
+    node.grad_clip = 1.0
+    job = NodeJob(0, 0, master, torch.arange(16).view(4, 1, 4), 0, True)
+    steps = node.steps(job, [1, 2, 3, 4])
+    next(steps)  # the round's start and its first step (the optimizer is made there)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # inner steps 2 to 4
+            next(steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(StopIteration):
+        next(steps)  # the end: the losses, read once
+
+
+def test_a_growing_batch_compiles_nothing_after_the_warm_up_on_cuda(tiny_config):
+    """Issue 59, item 3, with inductor on the GPU: the batch grows through 4 sizes, every micro-batch is padded to a
+    bucket compiled in the warm-up, and training compiles no graph (tests/test_compile_buckets.py: the same on CPU
+    with aot_eager, and eager's numbers)."""
+    from tests.test_compile_buckets import GROWING
+
+    config = [o for o in GROWING if not o.startswith("compile_backend")]
+    _, summary = train(tiny_config("devices=[cuda]", *config, "compile=true", "run_name=compiled_growing"))
+    assert summary["compile"]["warm_up_graphs"] >= 4 and summary["compile"]["graphs_after_warm_up"] == 0
+
+
 def test_compile_matches_eager_on_cuda(cuda_fp32_run, tiny_config):
     """fp32 both. The first GPU check (H100, 2026-11-26) failed this at one step in 32 (0.9%): the compiled run
     came after the tf32 test in the same process and inherited its TensorFloat-32 switch; every precision now

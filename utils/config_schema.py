@@ -119,8 +119,14 @@ class ConfigFields:
                              choices=("auto", "default", "avx2", "avx512"), resume=True, per_machine=True)
     cpu_threads: int = _f(0, "torch's intra-op threads on CPU (torch.set_num_threads); 0 = torch's default (one per "
                           "core). Recorded in the run log and summary.json.", min=0, resume=True, per_machine=True)
-    compile: bool = _f(False, "torch.compile each node's model replica once (the first steps of a run, and of "
-                       "each new batch shape, pay the compile time; needs sequential nodes in one process).")
+    compile: bool = _f(False, "torch.compile each node's model replica once, one graph per micro-batch shape "
+                       "(dynamic=False): language-model micro-batches are padded with label-less rows to a few "
+                       "buckets (1, 2, 3, 4, 6, 8, 12, ... up to the node's max batch), each compiled in a warm-up "
+                       "before training, so a growing batch never recompiles; needs sequential nodes in one "
+                       "process.")
+    compile_backend: str = _f("inductor", "compile only: torch.compile's backend (inductor: generated kernels; "
+                              "aot_eager: the same graphs run by eager kernels, which compiles in seconds: tests).",
+                              choices=("inductor", "aot_eager", "eager"), added_later=True)
     log_batch_statistics: bool = _f(True, "With a batch schedule that ignores them (constant, linear_rampup): still "
                                     "compute and log the batch tests' statistics; false skips the gradient "
                                     "samples entirely there.")
