@@ -649,9 +649,9 @@ def test_the_paper_ablations_are_the_paper_variant_with_one_component_off():
                           "diloco_b4", "diloco_b8", "diloco_b16"}
     assert not set(select(known, "all", "1,2,4,8,16", False)) & {"adloco_paper_no_merge"}  # all: as before
     assert set(select(known, "paper,ddp", "1,2,4,8,16", False)) == set(paper) | {"ddp"}  # groups and names mix
-    assert set(select(known, "switch", "1,2,4,8,16", False)) == {  # switch mode's ablations, ours and the paper's
-        "adloco_never_accumulate", "adloco_always_accumulate", "adloco_paper_never_accumulate",
-        "adloco_paper_always_accumulate"}
+    assert set(select(known, "switch", "1,2,4,8,16", False)) == {  # switch mode's ablations, ours and the paper's,
+        "adloco_never_accumulate", "adloco_always_accumulate", "adloco_paper_never_accumulate",  # and the control
+        "adloco_paper_always_accumulate", "adloco_one_pass", "adloco_paper_one_pass"}
 
 
 def fake_run(tmp_path, name, seed, start, points):

@@ -406,3 +406,19 @@ def test_a_diverged_run_is_a_finished_trial_and_a_crashed_run_stops_the_tool(tmp
         tune_main(tune_args(crashed, cache_dir, "--trials", "1", "inject_fault=1:0:crash"))
     (row,) = list(csv.DictReader((crashed / "trials.csv").open()))
     assert row["state"] == "FAIL" and row["objective"] == "" and "not the method's outcome" in row["note"]
+
+
+def test_switch_modes_matched_control_runs_the_full_request_in_one_pass():
+    """Issue 58, item 8: one name per meaning, and the control whose effective batch is always_accumulate's (every
+    request in full) without accumulating: max batch at the cap, on a device large enough for it."""
+    from benchmarks.compare.variants import select
+
+    cfg = load_config(ROOT / "config.yaml", ["max_requested_batch=16"])
+    known = catalogue(cfg, [1, 2, 4], 0.3)
+    for prefix in ("adloco", "adloco_paper"):
+        control = load_config(ROOT / "config.yaml", ["max_requested_batch=16", *known[f"{prefix}_one_pass"].overrides])
+        assert control.max_batch_size == 16 and control.switch_mode == "threshold_switch_mode"
+        always = load_config(ROOT / "config.yaml", known[f"{prefix}_always_accumulate"].overrides)
+        assert always.switch_mode == "only_gradient_accumulation"
+        assert control.variance_estimator == always.variance_estimator  # the same method otherwise
+    assert {"adloco_one_pass", "adloco_paper_one_pass"} <= set(select(known, "switch", "1,2,4", False))

@@ -21,6 +21,10 @@ overrides of the base config:
   adloco_always_accumulate  switch_mode: only_gradient_accumulation (every request above max_batch accumulates;
                       when named, or with --variants switch: the four ablations of switch mode, ours and the
                       paper's; they replace adloco_no_switch and adloco_paper_no_switch, which meant opposite things)
+  adloco_one_pass, adloco_paper_one_pass   switch mode's matched control: always_accumulate's effective batch (the
+                      full request) in one pass, max_batch_size at the cap on a simulated device large enough; against
+                      always_accumulate it isolates accumulation's cost (time only), against switch mode the batch's
+                      effect (with --variants switch)
   adloco_paper        AdLoCo as the paper runs it where our default departs: variance_estimator nodes (one
                       gradient per node), ETA 0.8, initial_batch_size 1, merge_frequency 3
   adloco_paper_no_adaptive, adloco_paper_no_merge, adloco_paper_always_accumulate, adloco_paper_never_accumulate

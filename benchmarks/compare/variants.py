@@ -118,6 +118,13 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
                        "paper", search=PAPER_SPACE),
                Variant("adloco_paper_never_accumulate", "adloco", (*PAPER, "switch_mode=only_data_loader"), "paper",
                        search=PAPER_SPACE)]
+    # switch mode's matched control (issue 58): always_accumulate's effective batch (every request in full) in one
+    # pass, on a simulated device large enough that nothing accumulates. Against always_accumulate it isolates what
+    # accumulation costs (time only: the same sequences per step); against switch mode, what the larger batch does
+    # (switch mode's own effective batch matched by a control is switch mode itself: it runs max_batch in one pass)
+    one_pass = (f"max_batch_size={base.max_requested_batch}", "device_memory_mb=65536")
+    chosen += [Variant("adloco_one_pass", "adloco", one_pass, "switch", search=ADAPTIVE_SPACE),
+               Variant("adloco_paper_one_pass", "adloco", (*PAPER, *one_pass), "switch", search=PAPER_SPACE)]
     diloco_at = {}
     for b in diloco_batches:
         diloco_at[b] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
@@ -237,7 +244,7 @@ def select(catalogue: dict[str, Variant], wanted: str, diloco_batches: str, clus
         or v.group == "communication",
         "nesterov": lambda k, v: v.group == "nesterov",
         "tuned_batch": lambda k, v: v.group == "tuned_batch",
-        "switch": lambda k, v: k.endswith(("_always_accumulate", "_never_accumulate"))}
+        "switch": lambda k, v: k.endswith(("_always_accumulate", "_never_accumulate", "_one_pass"))}
     names = [n for n in wanted.split(",") if n]  # none: only --add_variant's (benchmarks.tune's tuned finalists)
     renamed = [n for n in names if n in RENAMED]
     if renamed:

@@ -21,7 +21,7 @@ case "${PART:-primary}" in
   primary) VARIANTS=diloco_tuned_batch,adloco_paper,adloco; TRIALS=28 ;;
   critical) VARIANTS=diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32; TRIALS=8 ;;
   rest) VARIANTS=diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch,adloco_paper_always_accumulate,\
-adloco_paper_never_accumulate,adloco_always_accumulate,adloco_never_accumulate; TRIALS=28 ;;
+adloco_paper_never_accumulate,adloco_always_accumulate,adloco_never_accumulate,adloco_one_pass,adloco_paper_one_pass; TRIALS=28 ;;
   *) echo "PART: primary, critical or rest" >&2; exit 2 ;;
 esac
 exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
