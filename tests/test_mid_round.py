@@ -169,3 +169,18 @@ def test_offloaded_nodes_wait_for_an_evaluation_in_host_memory(tiny_config, monk
         assert rows(offloaded, name) == rows(resident, name), name
     assert any(len(r["nodes"].split()) == 2 for r in rows(offloaded, "inner_eval.csv"))  # both nodes averaged
     assert len(peak) >= 3 * 2 * 3 and max(peak) == 1  # every node at every pause came back in, one at a time
+
+
+def test_a_node_that_fails_mid_round_leaves_the_synced_evaluations_of_its_round(tiny_config):
+    """on_node_fault skip, node 1 diverging at its first step of round 2 (its weights NaN): that round's mid-round
+    evaluations average node 0 alone; the other rounds average both."""
+    run_dir, _ = train(tiny_config("run_name=skip", "num_init_trainers=1", "merge_frequency=0",
+                                   "eval_every_inner_steps=1", "on_node_fault=skip", "inject_fault=2:1:nan"))
+    inner = _rows_of(run_dir, "inner_eval.csv")
+    assert {(r["outer_step"], r["nodes"]) for r in inner} == {("1", "0 1"), ("2", "0"), ("3", "0 1")}
+    assert all(float(r["val_perplexity"]) > 1 for r in inner)  # finite: the NaN node was left out
+
+
+def _rows_of(run_dir, name):
+    with (run_dir / "model_training_report" / name).open() as f:
+        return list(csv.DictReader(f))
