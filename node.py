@@ -88,6 +88,7 @@ class Node:
                  data: PackedData, precision: Precision = PRECISIONS["fp32"], compile_model: bool = False,
                  compile_backend: str = "inductor") -> None:
         self.node_id, self.device, self.model = node_id, device, model  # model None: the node runs elsewhere
+        self.pinned_copies = device.startswith("cuda")  # micro-batches reach the device through pinned memory
         self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
         self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self.precision = precision
@@ -198,22 +199,18 @@ class Node:
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
         """One micro-batch's forward and backward, its loss scaled by `scale`; the unscaled loss, still on the device
         (nothing here reads the device: tests/test_host_syncs.py)."""
-        if self.buckets and self.data.labels is None:  # compiled: the micro-batch padded to its bucket
-            ids, labels = self._bucketed(idx)
-            with self.precision.autocast(self.device):
-                loss = self.forward(input_ids=ids, labels=labels).loss
-            scaled = loss * scale
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            return loss.detach().float()
-        ids = self._to_device(self.data.input_ids[idx])
-        if not self.masked:  # packed language-model sequences, none padded: causal attention, every token a label
-            mask, labels = None, ids  # (the model shifts labels by one itself)
+        if self.buckets and self.data.labels is None:  # compiled: the micro-batch padded to its bucket, no mask
+            (ids, labels), mask = self._bucketed(idx), None
         else:
-            mask = self._to_device(self.data.attention_mask[idx])
-            if self.data.labels is not None:  # classification: one label per sequence
-                labels = self._to_device(self.data.labels[idx])
-            else:  # language modelling: padding is excluded from the loss
-                labels = ids.masked_fill(mask == 0, -100)
+            ids = self._to_device(self.data.input_ids[idx])
+            if not self.masked:  # packed language-model sequences, none padded: causal attention, all labelled
+                mask, labels = None, ids  # (the model shifts labels by one itself)
+            else:
+                mask = self._to_device(self.data.attention_mask[idx])
+                if self.data.labels is not None:  # classification: one label per sequence
+                    labels = self._to_device(self.data.labels[idx])
+                else:  # language modelling: padding is excluded from the loss
+                    labels = ids.masked_fill(mask == 0, -100)
         with self.precision.autocast(self.device):
             loss = self.forward(input_ids=ids, attention_mask=mask, labels=labels).loss
         scaled = loss * scale
@@ -223,7 +220,7 @@ class Node:
     def _to_device(self, rows: torch.Tensor) -> torch.Tensor:
         """A micro-batch's rows (gathered in host memory) on the node's device: on CUDA through pinned memory, copied
         asynchronously (a copy from pageable memory makes the host wait); on a CPU, as they are."""
-        if self.device.startswith("cuda"):
+        if self.pinned_copies:
             rows = rows.pin_memory()
         return rows.to(self.device, non_blocking=True)
 
@@ -249,8 +246,8 @@ class Node:
         for rows in self.buckets:
             ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
             labels = ids.clone()  # a tensor of its own, as in training (dynamo guards on aliasing)
-            with self.precision.autocast(self.device):
-                loss = self.forward(input_ids=ids, labels=labels).loss
+            with self.precision.autocast(self.device):  # the call training makes (the same kwargs: one graph)
+                loss = self.forward(input_ids=ids, attention_mask=None, labels=labels).loss
             loss.backward()
         for p in self.params:
             p.grad = None

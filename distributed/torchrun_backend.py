@@ -199,29 +199,11 @@ class TorchrunBackend:
                 self._group(members[t])
         # node_schedule: a rank whose node is away has no job; it idles, taking part in world collectives only
         job = next((j for j in jobs if j.node_id == self.rank), None)
-        abandoned, outcome, outer_error = False, None, ""
         evaluations = None
         if job is not None and mid_round is not None and mid_round.steps:
             evaluations = MidRound(mid_round, _States(self, members[job.trainer_id]))
-        if job is None:
-            pass
-        elif self.streaming is not None:
-            outcome, abandoned, outer_error = self._run_streaming(job, members[job.trainer_id], trainers, evaluations)
-        elif job.sync_gradients:  # DDP / SNOO (distributed/synchronous.py): one all-reduce per inner step
-            ended = synchronous_round(self.nodes, [job], _Gradients(self, members[job.trainer_id]),
-                                      partial(_advance_or_leave, self.nodes), evaluations)
-            abandoned = ended[self.rank] is LEFT
-            outcome = None if abandoned else ended[self.rank]
-        elif evaluations is not None:  # paused at each evaluation: the trainer's group averages its nodes
-            ended = evaluated_round(self.nodes, [job], evaluations,
-                                    partial(_advance_or_leave, self.nodes, sync=self.sync))
-            abandoned = ended[self.rank] is LEFT
-            outcome = None if abandoned else ended[self.rank]
-        else:
-            try:
-                outcome = run_node(self.nodes[self.rank], job, self.sync)
-            except RoundAbandoned:
-                abandoned = True
+        outcome, abandoned, outer_error = (None, False, "") if job is None else self._node_round(
+            job, members[job.trainer_id], trainers, evaluations)
         good = isinstance(outcome, NodeResult)
         mine = None if job is None else job.trainer_id
         fact = {"node_id": self.rank, "trainer_id": mine, "abandoned": abandoned,
@@ -274,6 +256,26 @@ class TorchrunBackend:
         return {t: trainer_result(good_facts[t], node_mean if t == mine else None, shared_statistics.get(t),
                                   outer_error if t == mine else "", scored.get(t, []))
                 for t in trainer_ids if good_facts[t]}, faults
+
+    def _node_round(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer],
+                    evaluations: MidRound | None) -> tuple[NodeResult | NodeFault | None, bool, str]:
+        """This rank's node through its round, of whichever kind: (its result or fault, None when it left; whether
+        it left on a stop; its trainer's streamed outer-step error)."""
+        if self.streaming is not None:
+            return self._run_streaming(job, members, trainers, evaluations)
+        if job.sync_gradients:  # DDP / SNOO (distributed/synchronous.py): one all-reduce per inner step
+            ended = synchronous_round(self.nodes, [job], _Gradients(self, members),
+                                      partial(_advance_or_leave, self.nodes), evaluations)
+        elif evaluations is not None:  # paused at each evaluation: the trainer's group averages its nodes
+            ended = evaluated_round(self.nodes, [job], evaluations,
+                                    partial(_advance_or_leave, self.nodes, sync=self.sync))
+        else:
+            try:
+                return run_node(self.nodes[self.rank], job, self.sync), False, ""
+            except RoundAbandoned:
+                return None, True, ""
+        left = ended[self.rank] is LEFT
+        return (None if left else ended[self.rank]), left, ""
 
     def _run_streaming(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer],
                        evaluations: MidRound | None):
