@@ -18,7 +18,7 @@ from scipy.stats import qmc
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import edges, write_trials
 from benchmarks.tune import main as tune_main
-from benchmarks.tune.claims import open_storage, open_study, variant_of
+from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, variant_of
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
@@ -352,6 +352,25 @@ def test_a_study_is_created_once_in_a_journal_however_often_it_is_opened(tmp_pat
         study = open_study("diloco_b2", open_storage(str(journal), tmp_path), "minimize", sampler)
     assert study.direction == optuna.study.StudyDirection.MINIMIZE
     assert journal.read_text().count('"op_code":0') == 1  # one create record, not one per call
+
+
+def test_a_key_added_later_at_its_default_continues_the_study_made_before_it(tmp_path):
+    """A study stored before a key existed keeps its trials once the key exists at its default (it does there what
+    those runs did); the key set otherwise, another value changed, or another variant make another study."""
+    storage = open_storage(str(tmp_path / "studies.journal"), tmp_path)
+    before = StudyIdentity("adloco", {"config": {"lr_outer": 0.5}, "search": {"ETA": [0.3, 1.5, "linear"]},
+                                      "tuning_seeds": [1000, 1001]})
+    open_study("adloco", storage, "minimize", PointSampler((LR_INNER,), {}), before)
+    later = {"compile_backend": "inductor"}
+
+    def now(**config) -> StudyIdentity:
+        return StudyIdentity("adloco", {**before.values, "config": {"lr_outer": 0.5, **config}})
+
+    assert continued(storage, now(compile_backend="inductor"), later).study_name == before.study_name
+    assert now(compile_backend="inductor").study_name != before.study_name  # its digest alone would start anew
+    for other in (now(compile_backend="eager"), now(compile_backend="inductor", lr_outer=0.3),
+                  now(compile_backend="inductor", sync_delay=1), StudyIdentity("diloco", now().values)):
+        assert continued(storage, other, later) is other
 
 
 def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):

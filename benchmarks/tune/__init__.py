@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -61,6 +62,7 @@ from benchmarks.compare.variants import Variant, catalogue, custom, select
 from benchmarks.tune.claims import (
     StudyIdentity,
     claim,
+    continued,
     free_points,
     heartbeat,
     open_storage,
@@ -69,7 +71,7 @@ from benchmarks.tune.claims import (
     variant_of,
 )
 from benchmarks.tune.points import PointSampler, design_seed, distributions, ends
-from utils.config import load_config
+from utils.config import ADDED_LATER, Config, load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
 from utils.signals import honoured
 
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = warm_start(args, out)
         storage = open_storage(tuning.storage, out)
         direction = "maximize" if base.dataset == "imdb" else "minimize"
-        identities = {name: identity_of(name, v, regimes[name], args, tuning, extra) for name, v in chosen.items()}
+        identities = {name: continued(storage, identity_of(name, v, regimes[name], args, tuning, extra),
+                                      LATER_DEFAULTS) for name, v in chosen.items()}
         for identity in identities.values():
             for line in other_studies(storage, identity):
                 print(line)
@@ -247,6 +250,8 @@ def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
     return regimes
 
 
+# each key added after studies were stored, at its default (it does there what the runs before it did)
+LATER_DEFAULTS = {k: v for k, v in json.loads(json.dumps(Config().to_dict(), default=str)).items() if k in ADDED_LATER}
 MACHINE_KEYS = ("cpu_threads", "cpu_capability")  # each machine's kernels: last digits only (docs/running.md)
 
 

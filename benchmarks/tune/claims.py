@@ -129,6 +129,27 @@ def differences(had: dict, now: dict) -> list[str]:
             for k in sorted(set(flat_had) | set(flat_now)) if flat_had.get(k) != flat_now.get(k)]
 
 
+def continued(storage: optuna.storages.BaseStorage, identity: StudyIdentity,
+              later_defaults: dict[str, object]) -> StudyIdentity:
+    """The stored study of the same variant this identity continues, if any: one whose identity differs only by
+    config keys it lacks that were added later (later_defaults: each such key's default) and are at their default
+    now. A key added later does at its default what runs before it did, so a study keeps its trials across the
+    version that added it (as a checkpoint stays resumable). Otherwise the identity itself."""
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        had = summary.user_attrs.get("identity")
+        if variant_of(summary) != identity.variant or had is None or summary.study_name == identity.study_name:
+            continue
+        now = json.loads(json.dumps(identity.values, default=str))  # as the journal stores it (tuples as lists)
+        config_had, config_now = had.get("config", {}), now.get("config", {})
+        rest_had, rest_now = ({k: v for k, v in d.items() if k != "config"} for d in (had, now))
+        added = set(config_now) - set(config_had)
+        if (rest_had == rest_now and set(config_had) <= set(config_now)
+                and all(config_had[k] == config_now[k] for k in config_had)
+                and all(k in later_defaults and config_now[k] == later_defaults[k] for k in added)):
+            return StudyIdentity(identity.variant, had)
+    return identity
+
+
 def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity) -> list[str]:
     """One line per study of the same variant in the storage made under another config, naming what differs (its
     trials are not this study's)."""
