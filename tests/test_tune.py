@@ -306,8 +306,8 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     (started,) = [x for x in said.splitlines() if x.endswith("point 0: running; 0 of 1 finished, 1 running")]
     (ended,) = [x for x in said.splitlines() if " point 0: " in x and "1 of 1 finished, 0 running; best so far" in x]
     assert started.startswith("diloco_b2@") and ended.endswith("(point 0)")
-    (line,) = [x for x in said.splitlines() if "a new study" in x]
-    assert line.startswith("diloco_b2: a new study diloco_b2@") and "its 1 trials are not counted here" in line
+    (line,) = [x for x in said.splitlines() if "this call's study" in x]
+    assert line.startswith("diloco_b2: this call's study diloco_b2@") and "its 1 trials are not counted here" in line
     assert "config.lr_outer: 0.5 -> 0.3" in line
     assert "config.max_tokens: 1500 -> 1600" in line and "tuning_seeds" in line
     storage = f"sqlite:///{out / 'studies.db'}"
