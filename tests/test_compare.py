@@ -301,37 +301,53 @@ def test_a_bad_network_is_refused_before_any_run(tmp_path):
 
 
 def test_warm_start_workflow_pretrains_once_and_starts_every_variant_from_it(tmp_path, cache_dir):
+    """Two pretrained starts (seed s from start s mod 2): every variant's seed 0 from the one, seed 1 from the other;
+    the paired intervals are over the starts; a second call naming both with --init_from reuses everything."""
     out = tmp_path / "warm"
     common = [*SMALL, f"cache_dir={cache_dir}"]
-    rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "2000",
-                       "--pretrain_config", str(ROOT / "config.yaml"), "--variants", "adloco,diloco_b2",
+    phase2 = [*common, "dataset=c4", f"c4_local_path={SHARED_C4}", "c4_num_documents=200", "lr_inner=1e-4"]
+    rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "2", "--max_tokens", "2000",
+                       "--pretrain_config", str(ROOT / "config.yaml"), "--pretrain_starts", "2",
+                       "--variants", "adloco,diloco_b2",
                        *[f"--pretrain_set={o}" for o in common], "--pretrain_set=num_outer_steps=3",
                        "--pretrain_set=num_init_trainers=1", "--pretrain_set=merge_frequency=0",
-                       "--out", str(out), *common, "dataset=c4", f"c4_local_path={SHARED_C4}",
-                       "c4_num_documents=200", "lr_inner=1e-4", "merge_frequency=1"])
+                       "--out", str(out), *phase2, "merge_frequency=1"])
     assert rc == 0
-    final_model = (out / "pretrain" / "model_weights" / "final" / "final_model").resolve()
-    assert (final_model / "tokenizer.json").is_file()
-    starts = set()
-    for name in ("adloco", "diloco_b2"):
-        run_dir = out / "runs" / f"{name}_seed0"
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-        assert cfg["model_config"] == {"name": str(final_model), "pretrained": True} and cfg["dataset"] == "c4"
-        starts.add(json.loads((run_dir / "summary.json").read_text())["initial_metric"])
-        log = (run_dir / "training_log.log").read_text()
-        assert "C4 from local shards" in log and str(final_model) in log  # new data, the start's tokenizer
-    assert len(starts) == 1  # every variant starts from the very same model
+    final_models = [(out / run / "model_weights" / "final" / "final_model").resolve()
+                    for run in ("pretrain", "pretrain_start1")]
+    assert all((m / "tokenizer.json").is_file() for m in final_models)
+    pretrain_seeds = [yaml.safe_load((m.parents[2] / "config.yaml").read_text())["training_seed"] for m in final_models]
+    assert pretrain_seeds[1] == pretrain_seeds[0] + 1
+    for seed, final_model in enumerate(final_models):
+        starts = set()
+        for name in ("adloco", "diloco_b2"):
+            run_dir = out / "runs" / f"{name}_seed{seed}"
+            cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+            assert cfg["model_config"] == {"name": str(final_model), "pretrained": True} and cfg["dataset"] == "c4"
+            starts.add(json.loads((run_dir / "summary.json").read_text())["initial_metric"])
+            log = (run_dir / "training_log.log").read_text()
+            assert "C4 from local shards" in log and str(final_model) in log  # new data, the start's tokenizer
+        assert len(starts) == 1  # every variant starts from the very same model
+    runs = list(csv.DictReader((out / "runs.csv").open()))
+    assert {(r["variant"], r["seed"], r["start"]) for r in runs} == {
+        (v, s, s) for v in ("adloco", "diloco_b2") for s in ("0", "1")}
+    report = (out / "comparison.md").read_text()
+    assert "the unit of every interval and test below is the start" in report and "| starts |" in report
     mtime = (out / "pretrain" / "summary.json").stat().st_mtime
-    assert compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "1", "--max_tokens", "2000",
-                         "--init_from", str(out / "pretrain"), "--variants", "diloco_b2", "--out", str(out),
-                         *common, "dataset=c4", f"c4_local_path={SHARED_C4}", "c4_num_documents=200",
-                         "lr_inner=1e-4"]) == 0
+    assert compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "2", "--max_tokens", "2000",
+                         "--init_from", f"{out / 'pretrain'},{out / 'pretrain_start1'}", "--variants", "diloco_b2",
+                         "--out", str(out), *phase2, "merge_frequency=1"]) == 0
     assert (out / "pretrain" / "summary.json").stat().st_mtime == mtime  # phase 1 ran once
-    # the start named where the report's reader finds it, not by this machine's path
-    assert ("warm start: pretrain/model_weights/final/final_model (in the report's folder)"
+    # the starts named where the report's reader finds them, not by this machine's path
+    assert ("warm start: pretrain/model_weights/final/final_model (in the report's folder), "
+            "pretrain_start1/model_weights/final/final_model (in the report's folder)"
             in (out / "comparison.md").read_text())
     with pytest.raises(SystemExit, match="--init_from"):
         compare_main(["--init_from", str(tmp_path), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--pretrain_starts: 2; .*only with --pretrain_config"):
+        compare_main(["--pretrain_starts", "2", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--seeds: 1 seeds for 2 warm starts"):
+        compare_main(["--init_from", "a,b", "--seeds", "1", "--out", str(tmp_path / "x")])
 
 
 def _compare_args(out, cache_dir, *extra):
@@ -821,6 +837,23 @@ def test_paired_p_values_and_holms_correction_by_hand():
     # sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04 -> non-decreasing: 0.03, 0.06, 0.06
     assert [r["holm_p"] for r in rows] == pytest.approx([0.06, 0.03, 0.06])
     assert [r["holm_established"] for r in rows] == [False, True, False]
+
+
+def test_with_several_warm_starts_the_interval_is_over_the_starts_by_hand():
+    from benchmarks.compare.seeds import paired_rows
+
+    # seeds 0..5, start s mod 3; differences a - b: 1, 5, 3, 3, 2, 4 -> starts 0: (1 + 3) / 2 = 2, 1: (5 + 2) / 2
+    # = 3.5, 2: (3 + 4) / 2 = 3.5; mean 3, sd sqrt(0.75), half width 4.303 x 0.8660 / sqrt 3 = 2.1515 (2 df)
+    a, b = [11, 15, 13, 13, 12, 14], [10] * 6
+    rows = [{"variant": v, "seed": s, "start": s % 3, "at_budget": x[s]} for v, x in (("a", a), ("b", b))
+            for s in range(6)]
+    (row,) = paired_rows(rows, "b")
+    assert (row["pairs"], row["starts"], row["mean_difference"]) == (6, 3, pytest.approx(3.0))
+    assert (row["ci95_low"], row["ci95_high"]) == pytest.approx((3 - 2.15150, 3 + 2.15150), abs=1e-4)
+    # the same numbers without starts: six units, 5 df (squares 4+4+0+0+1+1 = 10 over 5: sd sqrt 2): half 2.571 x
+    # 1.41421 / sqrt 6 = 1.48437
+    (seeded,) = paired_rows([{k: v for k, v in r.items() if k != "start"} for r in rows], "b")
+    assert "starts" not in seeded and seeded["ci95_high"] == pytest.approx(3 + 1.48437, abs=1e-4)
 
 
 def test_the_primary_comparisons_are_the_paper_pairs_the_report_holds(tmp_path):

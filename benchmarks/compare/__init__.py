@@ -30,7 +30,7 @@ from benchmarks.compare.reader import (  # noqa: E402
     within_budget,
 )
 from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
-from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_start  # noqa: E402
+from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_starts  # noqa: E402
 from benchmarks.compare.variants import (  # noqa: E402
     CLUSTER_VARIANTS,
     COMMUNICATION_VARIANTS,
@@ -94,7 +94,8 @@ def reprice(args: Options) -> int:
         for entry in packed.runs:
             run = within_budget(read_run(packed.run_dir(entry)), options.max_tokens)
             results.setdefault(entry["variant"], []).append(
-                {**run, "seed": entry["seed"], "family": entry["family"], "constant_batch": entry["constant_batch"]})
+                {**run, "seed": entry["seed"], "family": entry["family"], "constant_batch": entry["constant_batch"],
+                 **options.start_of(entry["seed"])})
         report_out = made(Path(args.report_out), "--report_out")
         print(write_outputs(summarise(results, base, options), results, options, report_out, packed.faults))
         run_dirs = {e["run"]: packed.run_dir(e) for e in packed.runs}
@@ -140,8 +141,9 @@ def compare(args: Options) -> int:
             print(f"{name}: left out of this regime: {exc}")  # an ablation of --variants paper that cannot run here
             del chosen[name]
     made(out / "runs", "--out")
-    extra = warm_start(args, out)
-    args = dataclasses.replace(args, warm_from=shown(Path(extra[0].split("=", 1)[1]), out) if extra else "")
+    starts = warm_starts(args, out)
+    extra = starts[0] if starts else []
+    args = dataclasses.replace(args, warm_from=", ".join(shown(Path(s[0].split("=", 1)[1]), out) for s in starts))
     if not args.max_tokens:
         # the budget: what AdLoCo itself consumes in the configured number of outer steps; that run stops where the
         # budget does, so it is reused below as AdLoCo seed 0 (runner.stops_where_asked)
@@ -156,8 +158,8 @@ def compare(args: Options) -> int:
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
         try:
-            run = within_budget(read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out, extra)),
-                                args.max_tokens)
+            run = within_budget(read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out,
+                                                      starts[seed % len(starts)] if starts else [])), args.max_tokens)
         except RunFailed as exc:
             if not exc.training_fault:
                 raise
@@ -165,7 +167,7 @@ def compare(args: Options) -> int:
             print(f"{name} seed {seed}: {faults[-1]['error']}; reported among the faults, its other seeds without it")
             continue
         results.setdefault(name, []).append({**run, "seed": seed, "family": chosen[name].family,
-                                             "constant_batch": chosen[name].constant_batch})
+                                             "constant_batch": chosen[name].constant_batch, **args.start_of(seed)})
     if not results:
         raise SystemExit("error: every run stopped on a training fault (see each run's status.json); no report")
     report_out = Path(args.report_out) if args.report_out else out

@@ -65,9 +65,11 @@ clock. --throughput_curve FILE prices the finished runs' rounds with a throughpu
 tokens/s (the network model's tables).
 
 Warm start (two phases): `--pretrain_config CFG` trains one shared start with run.py (phase 1, into
-<out>/pretrain, reused when finished); `--init_from RUN_DIR` uses an existing run's final model. Phase 2
+<out>/pretrain, reused when finished; --pretrain_starts K trains K, the others into <out>/pretrain_start{i}
+with the pretraining seed + i); `--init_from RUN_DIR[,RUN_DIR...]` uses existing runs' final models. Phase 2
 starts every variant from that Hugging Face directory (model_weights/final/final_model, with its
-tokenizer) on the --config data.
+tokenizer) on the --config data; with K starts, seed s from start s mod K, and every paired interval takes
+the start as its unit (each start's mean difference over its seeds; t over the K starts).
 
 Outputs in --out: comparison.md (every table), comparison.csv (one row per variant), runs.csv (one row per
 variant and seed: the metric at the token budget, final, best seen, steps / tokens / simulated time to the
@@ -110,6 +112,7 @@ class Options:
     pretrain_config: str
     pretrain_set: tuple[str, ...]
     init_from: str
+    pretrain_starts: int
     out: str
     rerun: bool
     report_out: str
@@ -125,14 +128,30 @@ class Options:
     reprice: str  # a report's folder: its replay bundle re-priced, nothing trained (bundle.py)
     model_params: float  # the network model's model size (parameters); 0: the runs' own
     overrides: tuple[str, ...]  # run.py overrides for every variant: --cluster's first, then the command line's
-    warm_from: str = ""  # the warm start's model directory, as the report shows it
+    warm_from: str = ""  # the warm starts' model directories, as the report shows them
 
     @classmethod
     def parse(cls, argv: list[str] | None) -> Options:
         options = cls.from_parsed(vars(build_parser().parse_args(argv)))
         if options.seeds < 1 and not options.reprice:  # seeds to run (benchmarks.tune's 0 means no finalists)
             raise SystemExit(f"error: --seeds: {options.seeds}; give at least 1 (each variant runs on seeds 0..S-1)")
+        if options.pretrain_starts < 1 or (options.pretrain_starts > 1 and not options.pretrain_config):
+            raise SystemExit(f"error: --pretrain_starts: {options.pretrain_starts}; give at least 1, and more than 1 "
+                             "only with --pretrain_config (phase 1 trains them)")
+        if options.starts > 1 and 0 < options.seeds < options.starts and not options.reprice:
+            raise SystemExit(f"error: --seeds: {options.seeds} seeds for {options.starts} warm starts; give at least "
+                             "one seed per start (seed s starts from start s mod K)")
         return options
+
+    def start_of(self, seed: int) -> dict:
+        """A run's warm start as its result carries it ({} with one start: nothing to group by)."""
+        return {"start": seed % self.starts} if self.starts > 1 else {}
+
+    @property
+    def starts(self) -> int:
+        """How many warm starts the runs start from (1 from scratch)."""
+        return self.pretrain_starts if self.pretrain_config else max(1, len([p for p in self.init_from.split(",")
+                                                                              if p]))
 
     @classmethod
     def from_parsed(cls, args: dict) -> Options:
@@ -186,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pretrain_config", default="", help="phase 1 of the warm start: run.py config of the shared start")
     p.add_argument("--pretrain_set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for phase 1 (repeatable)")
-    p.add_argument("--init_from", default="", help="warm start from this finished run's final model")
+    p.add_argument("--init_from", default="", help="warm start from this finished run's final model (several, "
+                   "comma-separated: one start each, seed s from start s mod K)")
+    p.add_argument("--pretrain_starts", type=int, default=1, help="phase 1 pretrains this many starts (seeds "
+                   "differing by 1); seed s starts from start s mod K, and with K > 1 the start is the unit of "
+                   "every paired interval")
     p.add_argument("--out", default=str(ROOT / "logs" / "compare"),
                    help="runs and report (default logs/compare, outside the committed results; BENCHMARKS.md's "
                         "commands name benchmarks/results/... explicitly)")

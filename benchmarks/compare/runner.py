@@ -239,36 +239,56 @@ def fault_row(name: str, seed: int, run_dir: Path) -> dict:
 
 
 def warm_start(args: Options, out: Path) -> list[str]:
-    """Phase 1 of the warm-start workflow: the overrides that start every variant from one pretrained model."""
+    """Phase 1 of the warm-start workflow: the overrides that start every variant from the first pretrained model
+    (benchmarks.tune's trials all start there)."""
+    return next(iter(warm_starts(args, out)), [])
+
+
+def pretrained(args: Options, out: Path, start: int) -> Path:
+    """Phase 1, start `start`: the pretraining run (reused when finished with the same config). Start 0 is
+    <out>/pretrain with the pretraining config's own seed; start i its seed + i in <out>/pretrain_start{i}."""
+    run_name = "pretrain" if start == 0 else f"pretrain_start{start}"
+    run_dir = out / run_name
+    seeded = [f"training_seed={load_config(args.pretrain_config, list(args.pretrain_set)).training_seed + start}"
+              ] if start else []
+    pretrain_args = [*args.pretrain_set, *seeded, f"log_dir={out}", f"run_name={run_name}", "clearml_mode=off",
+                     "save_weights_every=0"]
+    finished = (run_dir / "summary.json").is_file()
+    changes = config_changes(run_dir, resolved(args.pretrain_config, pretrain_args)) if finished else []
+    if changes:
+        print(f"phase 1: the pretrained start in {run_dir} was made with another config "
+              f"({'; '.join(changes[:4])}); pretraining again")
+    if not finished or changes:
+        if run_dir.exists():
+            clear_run_dir(run_dir)
+        cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.pretrain_config, *pretrain_args]
+        print(f"phase 1: pretraining start {start} ({args.pretrain_config}) into {run_dir}")
+        if run_child(cmd, out / f"{run_name}.out") != 0:
+            raise SystemExit(f"error: --pretrain_config: phase 1 failed; see {out / f'{run_name}.out'}")
+    return run_dir
+
+
+def warm_starts(args: Options, out: Path) -> list[list[str]]:
+    """Phase 1: one list of overrides per pretrained start (--pretrain_starts of --pretrain_config, or each run
+    directory of --init_from); [] when the runs start from scratch. Seed s starts from start s mod K."""
     if args.pretrain_config:
-        run_dir = out / "pretrain"
-        pretrain_args = [*args.pretrain_set, f"log_dir={out}", "run_name=pretrain", "clearml_mode=off",
-                         "save_weights_every=0"]
-        finished = (run_dir / "summary.json").is_file()
-        changes = config_changes(run_dir, resolved(args.pretrain_config, pretrain_args)) if finished else []
-        if changes:
-            print(f"phase 1: the pretrained start in {run_dir} was made with another config "
-                  f"({'; '.join(changes[:4])}); pretraining again")
-        if not finished or changes:
-            if run_dir.exists():
-                clear_run_dir(run_dir)
-            cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.pretrain_config, *pretrain_args]
-            print(f"phase 1: pretraining the shared start ({args.pretrain_config}) into {run_dir}")
-            if run_child(cmd, out / "pretrain.out") != 0:
-                raise SystemExit(f"error: --pretrain_config: phase 1 failed; see {out / 'pretrain.out'}")
-        init_from = run_dir
+        sources = [pretrained(args, out, i) for i in range(args.pretrain_starts)]
     elif args.init_from:
-        init_from = Path(args.init_from)
+        sources = [Path(p) for p in args.init_from.split(",") if p]
     else:
         return []
-    model_dir = (init_from / "model_weights" / "final" / "final_model").resolve()
-    if not (model_dir / "config.json").is_file():
-        raise SystemExit(f"error: --init_from: {model_dir} holds no final model (config.json); give a finished "
-                         "run directory")
-    summary = json.loads((init_from / "summary.json").read_text()) if (init_from / "summary.json").is_file() else {}
-    print(f"warm start from {model_dir} ({summary.get('metric', 'metric')} {summary.get('final_metric', '?')} "
-          "on its own data)")
-    return [f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"]
+    starts = []
+    for init_from in sources:
+        model_dir = (init_from / "model_weights" / "final" / "final_model").resolve()
+        if not (model_dir / "config.json").is_file():
+            raise SystemExit(f"error: --init_from: {model_dir} holds no final model (config.json); give a finished "
+                             "run directory")
+        summary = (json.loads((init_from / "summary.json").read_text()) if (init_from / "summary.json").is_file()
+                   else {})
+        print(f"warm start {len(starts)} from {model_dir} ({summary.get('metric', 'metric')} "
+              f"{summary.get('final_metric', '?')} on its own data)")
+        starts.append([f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"])
+    return starts
 
 
 def shown(path: Path, out: Path | None = None) -> str:

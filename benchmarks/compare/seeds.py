@@ -59,7 +59,8 @@ def run_rows(results: dict[str, list[dict]], budget: float, targets: dict[str, f
             seed = r.get("seed", i)  # a run that stopped on a training fault leaves a gap in its variant's seeds
             at_budget, reached = value_at(r["curve"], "tokens", budget, log_scale=not higher)
             last = r["curve"][-1]
-            row = {"variant": name, "seed": seed, "final": r["final"], "at_budget": at_budget,
+            row = {"variant": name, "seed": seed, **({"start": r["start"]} if "start" in r else {}),
+                   "final": r["final"], "at_budget": at_budget,
                    "reached_budget": reached, "best_seen": r["best_seen"], "tokens": last["tokens"],
                    "steps": last["steps"], "rounds": last["rounds"], "sim_time_s": last["sim_time"]}
             for label, target in targets.items():
@@ -85,20 +86,35 @@ def paired_p(differences: list[float]) -> float:
     return float(2 * t.sf(abs(score), len(differences) - 1))
 
 
+def by_start(differences: list[tuple[float, int | None]]) -> list[float]:
+    """The interval's units: each paired difference (with its run's warm start), or, where the runs came from
+    several warm starts, each start's mean difference over its seeds. Seeds of one start share its model, so they
+    are not independent of each other; the starts are (a two-level design: the interval is over starts)."""
+    starts: dict[int | None, list[float]] = {}
+    for difference, start in differences:
+        starts.setdefault(start, []).append(difference)
+    if len(starts) < 2 or None in starts:
+        return [d for d, _ in differences]
+    return [statistics.mean(ds) for _, ds in sorted(starts.items())]
+
+
 def paired_rows(rows: list[dict], reference: str, key: str = "at_budget", only: set[str] | None = None) -> list[dict]:
     """Each variant (or those in `only`) against the reference, seed by seed: mean difference, 95% interval, whether
-    it contains 0, and the test's p-value (corrected for the report's many comparisons by holm())."""
+    it contains 0, and the test's p-value (corrected for the report's many comparisons by holm()). Runs from several
+    warm starts: the interval and test are over the starts' mean differences (by_start; `starts` says how many)."""
     ref = {r["seed"]: r[key] for r in rows if r["variant"] == reference}
     out = []
     for name in dict.fromkeys(r["variant"] for r in rows):
-        pairs = [(r[key], ref[r["seed"]]) for r in rows if r["variant"] == name and r["seed"] in ref]
+        pairs = [(r[key] - ref[r["seed"]], r.get("start")) for r in rows if r["variant"] == name and r["seed"] in ref]
         if name == reference or len(pairs) < 2 or (only is not None and name not in only):
             continue
-        differences = [a - b for a, b in pairs]
-        mean, low, high = paired_interval(differences)
-        out.append({"variant": name, "vs": reference, "pairs": len(pairs), "mean_difference": mean,
-                    "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high,
-                    "p_value": paired_p(differences)})
+        units = by_start(pairs)
+        mean, low, high = paired_interval(units)
+        row = {"variant": name, "vs": reference, "pairs": len(pairs), "mean_difference": mean,
+               "ci95_low": low, "ci95_high": high, "interval_contains_0": low <= 0 <= high, "p_value": paired_p(units)}
+        if len(units) != len(pairs) or any(start is not None for _, start in pairs):
+            row["starts"] = len(units)
+        out.append(row)
     return out
 
 
@@ -224,8 +240,14 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
              "exactly the token budget, never a final that overshot it); paired t 95% interval (mean difference "
              "+- t(0.975, n-1) sd / sqrt(n)); `interval_contains_0: True` marks a difference the seeds do not "
              "establish.", ""]
-    columns = ["variant", "vs", "pairs", "mean_difference", "ci95_low", "ci95_high", "interval_contains_0",
-               "p_value"]
+    starts = len({r["start"] for r in rows if "start" in r})
+    if starts > 1:
+        lines += [f"The runs start from {starts} pretrained models (seed s from start s mod {starts}; runs.csv's "
+                  "`start`). Seeds of one start share its model, so the unit of every interval and test below is the "
+                  "start, not the seed: n is the number of starts (`starts`), each contributing its mean paired "
+                  "difference over its seeds (`pairs` counts the seeds).", ""]
+    columns = ["variant", "vs", "pairs", *(["starts"] if starts > 1 else []), "mean_difference", "ci95_low",
+               "ci95_high", "interval_contains_0", "p_value"]
     primary = primary_pairs(results)
     lines += ["### Primary comparisons (declared before the numbers)", "",
               "The paper's AdLoCo and ours, each against DiLoCo at its own starting batch and against DiLoCo with its "

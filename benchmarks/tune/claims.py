@@ -160,8 +160,9 @@ def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity)
         had = summary.user_attrs.get("identity")
         why = ("made before studies recorded their config" if had is None else
                "; ".join(differences(had, identity.values)[:4]) or "another search")
-        lines.append(f"{identity.variant}: this call's study {identity.study_name}; the storage's {summary.study_name} was "
-                     f"made under another config ({why}): its {summary.n_trials} trials are not counted here")
+        lines.append(f"{identity.variant}: this call's study {identity.study_name}; the storage's "
+                     f"{summary.study_name} was made under another config ({why}): its {summary.n_trials} trials "
+                     "are not counted here")
     return lines
 
 
