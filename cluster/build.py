@@ -278,7 +278,7 @@ def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, master
     """In this process (InProcessBackend), or one node per torchrun process (TorchrunBackend)."""
     if dist_env is None:
         return InProcessBackend(nodes, use_threads(cfg), plan, master_device, device_index_of_nodes(cfg),
-                                cfg.max_concurrent_nodes)
+                                cfg.max_concurrent_nodes, stacked=cfg.node_execution == "stacked")
     from distributed import torchrun
     from distributed.torchrun_backend import TorchrunBackend
 

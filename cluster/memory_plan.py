@@ -24,7 +24,7 @@ import torch
 
 from algorithms.comm_plan import gradient_samples
 from cluster.max_batch_calculator import MiB, default_device_memory_mb, saved_bytes
-from cluster.placement import card_of, computing_per_device, master_device_of, use_threads
+from cluster.placement import card_of, computing_per_device, computing_together, master_device_of
 from utils.config import Config
 from utils.errors import UserError
 
@@ -255,7 +255,7 @@ def _plan(cfg: Config, meta: torch.nn.Module, micro_batch: int, master_device: s
     from trainers import TRAINERS
 
     sizes = model_sizes(meta, TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg), cfg.seq_len, cfg.precision)
-    return plan_memory(cfg, sizes, micro_batch, use_threads(cfg), master_device, capacity_gb,
+    return plan_memory(cfg, sizes, micro_batch, computing_together(cfg), master_device, capacity_gb,
                        statistics_sample_bytes(cfg, sizes.trainable))
 
 

@@ -41,9 +41,17 @@ def device_index_of_nodes(cfg: Config) -> list[int]:
     return [i for i in range(len(cfg.devices)) for _ in range(cfg.nodes_per_gpu)]
 
 
+def computing_together(cfg: Config) -> bool:
+    """Whether a device's nodes compute at once: on the node threads, or stacked (a group holds its nodes'
+    gradients and activations together, and a device's nodes may all be one group)."""
+    return use_threads(cfg) or cfg.node_execution == "stacked"
+
+
 def computing_per_device(cfg: Config, threads: bool) -> int:
-    """Nodes of one simulated device that compute at once: max_concurrent_nodes (0: all) on the node threads; one
-    (the whole process's one) in a loop."""
+    """Nodes of one simulated device that compute at once: max_concurrent_nodes (0: all) on the node threads; all
+    of them stacked; one (the whole process's one) in a loop."""
     if not threads:
         return 1
+    if cfg.node_execution == "stacked":
+        return cfg.nodes_per_gpu
     return min(cfg.max_concurrent_nodes or cfg.nodes_per_gpu, cfg.nodes_per_gpu)

@@ -1,7 +1,7 @@
 """The in-process backend (distributed/protocol.py): every node of the cluster runs in this process.
 
-Nodes run as threads or in a loop (node_execution); a trainer's state is always here, so transfers move
-nothing (Traffic counts what a real cluster would send).
+Nodes run as threads, in a loop, or in stacked groups (node_execution); a trainer's state is always here, so
+transfers move nothing (Traffic counts what a real cluster would send).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from algorithms.outer_sync import OuterSync, empty_wire, flatten, sum_wires
 from distributed.mid_round import MidRound, MidRoundPlan, SummedStates, evaluated_round
 from distributed.node_round import advance, combine, run_node
 from distributed.protocol import NodeFault, RoundResult
+from distributed.stacked import stacked_round
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import SummedGradients, synchronous_round
 from fabrics.eval_tool import Evaluator
@@ -33,10 +34,13 @@ class InProcessBackend:
     """
 
     def __init__(self, nodes: list[Node], concurrent: bool, plan: CommPlan | None = None,
-                 master_device: str = "cpu", device_of: list[int] | None = None, max_concurrent: int = 0) -> None:
+                 master_device: str = "cpu", device_of: list[int] | None = None, max_concurrent: int = 0,
+                 stacked: bool = False) -> None:
         """device_of: each node's simulated device (its index in `devices`); max_concurrent (max_concurrent_nodes):
-        at most this many nodes of one device compute at once on the node threads (0: all)."""
-        self.nodes, self.master_device = nodes, master_device
+        at most this many nodes of one device compute at once on the node threads (0: all). stacked
+        (node_execution: stacked): a plain round's nodes of one shape and device run as one stacked model
+        (distributed/stacked.py)."""
+        self.nodes, self.master_device, self.stacked = nodes, master_device, stacked
         self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
         self.sync, self.streaming = self.plan.outer_sync, self.plan.streaming
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
@@ -92,7 +96,9 @@ class InProcessBackend:
                     device = next(iter(job.master.values())).device
                     flat[job.trainer_id] = flatten(job.master, sorted(job.master), device)
             jobs = [dataclasses.replace(job, flat_master=flat[job.trainer_id]) for job in jobs]
-        if evaluations is None:
+        if self.stacked:
+            outcomes = stacked_round(self.nodes, jobs, self.sync, evaluations)
+        elif evaluations is None:
             outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
         else:
             outcomes = list(evaluated_round(self.nodes, jobs, evaluations,

@@ -29,7 +29,7 @@ def check_finite(result: NodeResult) -> NodeFault | None:
     return None
 
 
-def _failed(job: NodeJob, exc: Exception) -> NodeFault:
+def failed(job: NodeJob, exc: Exception) -> NodeFault:
     log.debug("node %d failed", job.node_id, exc_info=True)
     return NodeFault(job.node_id, job.trainer_id, "error", f"{type(exc).__name__}: {exc}")
 
@@ -52,11 +52,19 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
         raise
     except Exception as exc:  # a node fault, handled by the on_node_fault policy
         node.release()
-        return _failed(job, exc)
+        return failed(job, exc)
+    return finished(job, result, node, sync)
+
+
+def finished(job: NodeJob, result: NodeResult, node: Node | None, sync: OuterSync | None) -> NodeResult | NodeFault:
+    """A node's round that ended: its NodeFault if its numbers are not finite; else its result, with a compressed
+    outer sync's pseudo-gradient encoded on the node (its residual updated). The node is released
+    (offload_idle_nodes: its state leaves the device before the next node computes)."""
     fault = _checked(job, result)
-    if fault is None and sync is not None and not sync.exact:
+    if fault is None and sync is not None and not sync.exact and node is not None:
         result.payload, node.residual = sync.encode(job.master, result.state, node.residual, job.flat_master)
-    node.release()  # offload_idle_nodes: its state leaves the device before the next node computes
+    if node is not None:
+        node.release()
     return fault or result
 
 
@@ -82,13 +90,8 @@ def advance(round_steps, job: NodeJob, node: Node | None = None, sync: OuterSync
     except Exception as exc:
         if node is not None:
             node.release()
-        return _failed(job, exc)
-    fault = _checked(job, result)
-    if fault is None and sync is not None and not sync.exact and node is not None:
-        result.payload, node.residual = sync.encode(job.master, result.state, node.residual, job.flat_master)
-    if node is not None:
-        node.release()
-    return fault or result
+        return failed(job, exc)
+    return finished(job, result, node, sync)
 
 
 def token_shares(tokens: list[float]) -> list[float]:

@@ -64,9 +64,26 @@ def check_cluster(cfg: ConfigFields) -> None:
     if cfg.compile and cfg.offload_idle_nodes:
         raise ConfigError("offload_idle_nodes", "moving a compiled replica's weights between rounds would recompile "
                           "it every round: use compile: false with offloading")
+    if cfg.node_execution == "stacked":
+        stacked_refusals(cfg)
     if cfg.compile and cfg.node_execution == "threads":
         raise ConfigError("compile", "torch.compile is not thread-safe: use node_execution: sequential or auto "
                           "(or torchrun, one node per process)")
+
+
+def stacked_refusals(cfg: ConfigFields) -> None:
+    """node_execution: stacked runs plain DiLoCo rounds of AdamW nodes (distributed/stacked.py); what it cannot."""
+    refused = {"model_type": cfg.model_type != "microllama" and f"{cfg.model_type} (stacked runs causal language "
+               "models, whose packed sequences need no attention mask)",
+               "distributed_algo": cfg.distributed_algo != "DiLoCo" and f"{cfg.distributed_algo} (stacked runs "
+               "DiLoCo's inner AdamW; DDP and SNOO average gradients per node, LocalSGD steps SGD)",
+               "sync_fragments": cfg.streams and "Streaming DiLoCo (each node pauses on its own for its fragments)",
+               "compile": cfg.compile and "true (the stacked model is not compiled)",
+               "precision": cfg.precision == "fp16" and "fp16 (one loss scale per node)",
+               "offload_idle_nodes": cfg.offload_idle_nodes and "true (a stack holds all of its nodes at once)"}
+    for key, why in refused.items():
+        if why:
+            raise ConfigError(key, f"{why}: not with node_execution: stacked; use sequential")
 
 
 def multi_instance_warnings(cfg: ConfigFields) -> list[str]:

@@ -95,8 +95,11 @@ class ConfigFields:
                                          "(docs/clock.md).", cluster=True)
     nodes_per_gpu: int = _f(2, "Nodes (training streams) per simulated device.", min=1, cluster=True)
     node_execution: str = _f("auto", "How the nodes of a round run: threads (concurrent, as in the paper), "
-                             "sequential, or auto (threads only when nodes sit on distinct CUDA devices). "
-                             "Results do not depend on it.", choices=("auto", "threads", "sequential"), resume=True)
+                             "sequential, stacked (a device's nodes of one batch shape as one model over stacked "
+                             "weights, torch.func.vmap: for small batches on a GPU; docs/running.md), or auto "
+                             "(threads only when nodes sit on distinct CUDA devices; never stacked). Results do not "
+                             "depend on it (stacked: last digits).", choices=("auto", "threads", "sequential",
+                                                                              "stacked"), resume=True)
     max_concurrent_nodes: int = _f(0, "At most this many nodes of a simulated device run their inner steps at once "
                                    "(node_execution threads); the others wait their turn. 0 = all. The max-batch "
                                    "probe shares a device's memory among the nodes that compute at once, so a probed "

@@ -1,0 +1,276 @@
+"""node_execution: stacked. The nodes of a device whose inner steps have the same shape run as one model over
+stacked weights: one forward and backward for the group (torch.func.vmap of a functional call of the node's
+transformers model), each node with its own data, loss scale, clipping norm, AdamW state, step count and learning
+rate (algorithms/stacked_adamw.py). The gain is a GPU's: small micro-batches leave most of a card idle, and a
+group of N nodes at micro-batch b keeps it as busy as one node at N x b (benchmarks/stacked.py measures it).
+
+Groups. Nodes join a group when they share a device, the shape of their round's micro-batches ([inner steps,
+accumulation, micro-batch]) and the batch test's sampling (grad_chunks). Nodes of different shapes are not padded
+into one group: a padded micro-batch changes no loss (padding carries no label) but an accumulation count does
+(each node's mean is over its own micro-batches), and a node with more inner steps would hold the group; they run
+as groups of their own. A node asked to fail by inject_fault (error, crash, hang) runs on its own, as in the
+sequential loop, so its fault is its own; a NaN (inject_fault nan, or a diverging node) stays in its slice: every
+operation here is per slice, so it faults that node only.
+
+State. Between rounds each node owns its weights and AdamW state as today (checkpoints, merges, moves and the
+rollback read them; a stacked run resumes sequentially and back). At a round's start the group's tensors are
+stacked (one copy) and each node's own tensors become views of its slice, so everything that reads a node during
+the round (a mid-round evaluation, the results) reads the stack, and nothing is copied back at the end.
+
+What it refuses (utils/config_rules.py, one line each): BERT (bidirectional attention needs its padding mask, and
+transformers' mask checks read values that vmap cannot batch; a causal model's packed sequences need none),
+inner optimizers other than AdamW (LocalSGD), DDP / SNOO
+(their gradient averaging is per node), Streaming DiLoCo (fragments pause each node on its own), compile, fp16
+(one loss scale per node), offload_idle_nodes (a stack holds its nodes at once). Under torchrun each process holds
+one node: a group of one, the sequential loop.
+
+Equality with the sequential loop: the same operations per slice, in another order of sums (vmap batches the
+matmuls; the clipping norm is taken per slice): losses, weights and AdamW state agree within 1e-5 relative in
+fp32 after a round (tests/test_stacked.py), and runs' batch decisions and merges are the same; last digits can
+differ, so a stacked report says it ran stacked.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Generator
+
+import torch
+from torch.func import functional_call, vmap
+
+from algorithms.stacked_adamw import AdamWHyper, stacked_adamw_step
+from distributed.mid_round import MidRound, trainer_members
+from distributed.node_round import advance, failed, finished
+from distributed.protocol import NodeFault
+from node import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
+from utils.model_state import float_state, load_float_state
+
+# torch has no batching rule for the CPU's flash attention and loops over the nodes instead (it says so at each
+# call); the numbers are right, and benchmarks/stacked.py measures what it costs
+warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the "
+                        "batching rule for aten::_scaled_dot_product_flash_attention_for_cpu")
+ALONE = ("error", "crash", "hang")  # inject_fault kinds that run on their own node (the sequential loop)
+
+
+def groups_of(nodes: list[Node], jobs: list[NodeJob]) -> list[list[NodeJob]]:
+    """The round's jobs in groups that run as one stacked model (see the module's docstring), each in node-id
+    order, the groups in the order of their first node."""
+    groups: dict[tuple, list[NodeJob]] = {}
+    for job in sorted(jobs, key=lambda j: j.node_id):
+        alone = job.inject_fault in ALONE
+        key = (job.node_id,) if alone else (nodes[job.node_id].device, tuple(job.sample_indices.shape),
+                                            job.grad_chunks)
+        groups.setdefault(key, []).append(job)
+    return list(groups.values())
+
+
+class StackedGroup:
+    """One round of a group of nodes (same device, same shapes) as one functional model over stacked weights."""
+
+    def __init__(self, nodes: list[Node], jobs: list[NodeJob]) -> None:
+        self.nodes, self.jobs = nodes, jobs
+        self.base = nodes[0].model  # its module structure runs every node's weights (functional_call)
+        self.device, self.data, self.precision = nodes[0].device, nodes[0].data, nodes[0].precision
+        self.names = [name for name, p in self.base.named_parameters() if p.requires_grad]  # Node.params' order
+        self.buffers = dict(self.base.named_buffers())  # shared (rotary frequencies): the same in every replica
+        self.padding_rows = [(self.names.index(f"{name}.weight"), module.padding_idx)
+                             for name, module in self.base.named_modules()
+                             if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None
+                             and f"{name}.weight" in self.names]
+
+    def _stack(self) -> None:
+        """The group's weights and AdamW state stacked along dim 0; each node's own tensors become views of its
+        slice (so the optimizer, the results and a mid-round evaluation read the stack). One tensor at a time: its
+        per-node storage is freed as its stack is made, so stacking holds at most one tensor twice."""
+        own = [node.params for node in self.nodes]
+        states = [[self._adamw_state(node, p) for p in node.params] for node in self.nodes]
+        self.params, self.exp_avgs, self.exp_avg_sqs = [], [], []
+        with torch.no_grad():
+            for i in range(len(self.names)):
+                self.params.append(torch.stack([ps[i].detach() for ps in own]).requires_grad_())
+                self.exp_avgs.append(torch.stack([s[i]["exp_avg"] for s in states]))
+                self.exp_avg_sqs.append(torch.stack([s[i]["exp_avg_sq"] for s in states]))
+                for k, (ps, per_param) in enumerate(zip(own, states)):
+                    ps[i].data = self.params[i].data[k]
+                    per_param[i]["exp_avg"].data = self.exp_avgs[i][k]
+                    per_param[i]["exp_avg_sq"].data = self.exp_avg_sqs[i][k]
+        self.states, self.n = states, len(self.nodes)
+        # each node's step count (one read per round) and learning rate; what they share, from the first
+        self.steps = torch.tensor([float(s[0]["step"]) for s in states], dtype=torch.float64)
+        self.lrs = torch.tensor([node.optimizer.param_groups[0]["lr"] for node in self.nodes], dtype=torch.float64)
+        self.hyper = AdamWHyper.of(self.nodes[0].optimizer)
+        if any(AdamWHyper.of(node.optimizer) != self.hyper for node in self.nodes):
+            raise ValueError("node_execution stacked: the group's nodes differ in AdamW betas, eps or weight decay")
+
+    @staticmethod
+    def _adamw_state(node: Node, p: torch.Tensor) -> dict:
+        """The node's AdamW state of parameter p, made as torch.optim.AdamW makes it at its first step if absent."""
+        state = node.optimizer.state[p]
+        if not state:
+            fused = node.optimizer.defaults.get("fused")
+            state["step"] = torch.zeros((), dtype=torch.get_default_dtype(), device=p.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _loss(self, params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.base, ({**params, **self.buffers},), (),
+                               {"input_ids": ids, "attention_mask": None, "labels": labels}).loss
+
+    def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
+        """One micro-batch of every node (idx: [N, rows] sequence indices), its losses scaled by `scale`, backward
+        into the stacked gradients; the unscaled losses [N], on the device."""
+        to_device = self.nodes[0]._to_device
+        ids = to_device(self.data.input_ids[idx])
+        # no attention mask, ever: transformers' mask checks read the mask's values, which vmap cannot batch. Packing
+        # pads only the end of a sequence, so under causal attention no real token sees padding, and padding carries
+        # no label: every loss and gradient is the masked one's (as a compiled node's buckets, node.py)
+        labels = to_device(self.data.input_ids[idx].masked_fill(self.data.attention_mask[idx] == 0, -100)
+                           ) if self.masked else ids
+        params = dict(zip(self.names, self.params))
+        with self.precision.autocast(self.device):
+            losses = vmap(self._loss, in_dims=(0, 0, 0))(params, ids, labels)
+        (losses * scale).sum().backward()  # node n's loss reaches only its slice of each stacked tensor
+        with torch.no_grad():
+            for i, row in self.padding_rows:  # as nn.Embedding's own backward: no gradient for the padding row
+                self.params[i].grad[:, row] = 0  # (vmap's batched embedding backward leaves it in)
+        return losses.detach().float()
+
+    def _flat_grads(self) -> torch.Tensor:
+        """Each node's accumulated gradient as one fp32 vector: [N, P], Node.params' order."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(self.n, -1)
+                          for p in self.params], dim=1).float()
+
+    def _last_step_with_samples(self, idx: torch.Tensor, chunks: int):
+        """Node._last_step_with_samples for every node at once (idx: [N, accumulation, micro-batch])."""
+        flat = idx.reshape(self.n, -1)
+        count = min(max(chunks, idx.shape[1]), flat.shape[1])
+        pieces = torch.tensor_split(flat, count, dim=1)
+        samples, losses = [], []
+        previous = torch.zeros(self.n, sum(p[0].numel() for p in self.params), device=self.device)
+        for piece in pieces:
+            share = piece.shape[1] / flat.shape[1]
+            losses.append(self._forward_backward(piece, share) * share)
+            current = self._flat_grads()
+            samples.append((current - previous) / share)
+            previous = current
+        sizes = torch.tensor([piece.shape[1] for piece in pieces], dtype=torch.float64)
+        return torch.stack(losses).sum(0), torch.stack(samples, dim=1), sizes  # [N], [N, k, P], [k]
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float) -> None:
+        """torch.nn.utils.clip_grad_norm_ per node: its slices' total norm, its own coefficient."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(self.n, -1), dim=1) for g in grads])
+        coefficient = (max_norm / (torch.linalg.vector_norm(norms, dim=0) + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coefficient.to(g.dtype).reshape(-1, *([1] * (g.dim() - 1))))
+
+    def steps(self, pauses: list[int] = ()) -> Generator[int, None, list[NodeResult]]:
+        """The group's round, as Node.steps: it pauses after each inner-step count in `pauses` (yielding it) and
+        returns each node's result (in the group's order)."""
+        pauses = set(pauses)
+        for node, job in zip(self.nodes, self.jobs):
+            if job.reset_optimizer or node.optimizer is None:
+                node._new_optimizer()
+            if not job.keep_local:
+                load_float_state(node.model, job.master)
+            node.model.train()
+        self._stack()
+        indices = torch.stack([job.sample_indices for job in self.jobs])  # [N, steps, accumulation, micro-batch]
+        self.masked = any(self.data.needs_mask(job.sample_indices) for job in self.jobs)
+        tokens = [int(self.data.tokens_per_sequence[job.sample_indices.reshape(-1)].sum()) for job in self.jobs]
+        steps, accumulation = indices.shape[1], indices.shape[2]
+        chunks = self.jobs[0].grad_chunks
+        nan = torch.tensor([job.inject_fault == "nan" for job in self.jobs])
+        losses, grad_samples, sample_batches = [], None, None
+        stop = self.nodes[0].stop
+        for step in range(steps):
+            if stop.is_set():
+                raise RoundAbandoned(f"nodes {[j.node_id for j in self.jobs]} stopped before inner step {step}")
+            idx = indices[:, step]
+            if step == steps - 1 and chunks >= 2:
+                loss, grad_samples, sample_batches = self._last_step_with_samples(idx, chunks)
+            else:
+                loss = sum(self._forward_backward(idx[:, m], 1.0 / accumulation)
+                           for m in range(accumulation)) / accumulation
+                if step == steps - 1 and chunks == 1:
+                    grad_samples = self._flat_grads()[:, None]
+                    sample_batches = torch.tensor([float(idx[0].numel())], dtype=torch.float64)
+            with torch.no_grad():
+                if step == 0 and bool(nan.any()):  # inject_fault nan: as a diverging step would, on that node only
+                    for p in self.params:
+                        p.grad[nan.to(p.device)] = float("nan")
+                    loss = torch.where(nan.to(loss.device), float("nan"), loss)
+            losses.append(loss)
+            if self.nodes[0].grad_clip > 0:
+                self._clip(self.nodes[0].grad_clip)
+            stacked_adamw_step(self.params, [p.grad for p in self.params], self.exp_avgs, self.exp_avg_sqs,
+                               self.steps, self.lrs, self.hyper)
+            for p in self.params:
+                p.grad = None
+            if step + 1 in pauses:
+                for node, node_losses in zip(self.nodes, torch.stack(losses).unbind(1)):
+                    node.round_losses = list(node_losses)
+                yield step + 1
+        with torch.no_grad():
+            for node_steps, per_param in zip(self.steps.tolist(), self.states):
+                for state in per_param:
+                    state["step"].fill_(node_steps)
+        per_node_losses = torch.stack(losses).cpu().T.tolist()  # one sync per round, not per step
+        results = []
+        for k, (node, job) in enumerate(zip(self.nodes, self.jobs)):
+            samples = None if grad_samples is None else grad_samples[k]
+            if samples is not None and node.sketch is not None:
+                samples = node.sketch(samples)
+            results.append(NodeResult(job.node_id, job.trainer_id, float_state(node.model), per_node_losses[k],
+                                      tokens[k], samples, sample_batches, float(self.lrs[k])))
+        return results
+
+
+def _group_round(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], sync
+                 ) -> Generator[int, None, dict[int, NodeResult | NodeFault]]:
+    """A group's round to its end, its pauses passed on; each node's outcome (a group that raises faults every
+    node of it: they shared the step that raised)."""
+    members = [nodes[j.node_id] for j in jobs]
+    if len(jobs) == 1:  # the sequential loop, exactly (node_round.advance)
+        round_steps = members[0].steps(jobs[0], pauses)
+        while True:
+            out = advance(round_steps, jobs[0], members[0], sync)
+            if not isinstance(out, int):
+                return {jobs[0].node_id: out}
+            yield out
+    try:
+        results = yield from StackedGroup(members, jobs).steps(pauses)
+    except (RoundAbandoned, InjectedCrash):
+        raise
+    except Exception as exc:  # the node-fault policy handles each member
+        return {j.node_id: failed(j, exc) for j in jobs}
+    return {j.node_id: finished(j, r, node, sync) for j, r, node in zip(jobs, results, members)}
+
+
+def stacked_round(nodes: list[Node], jobs: list[NodeJob], sync, evaluations: MidRound | None = None
+                  ) -> list[NodeResult | NodeFault]:
+    """A plain round with its nodes in stacked groups (one after another), paused at the mid-round evaluations:
+    every group to step k, then the evaluation, as distributed/mid_round.evaluated_round. Each job's outcome, in
+    the jobs' order."""
+    pauses = evaluations.steps if evaluations is not None else []
+    members = trainer_members(jobs)
+    live = [_group_round(nodes, group, pauses, sync) for group in groups_of(nodes, jobs)]
+    node_ids = [[j.node_id for j in group] for group in groups_of(nodes, jobs)]
+    ended: dict[int, NodeResult | NodeFault] = {}
+    for step in [*pauses, None]:
+        paused: set[int] = set()
+        for k, group in enumerate(live):
+            if group is None:
+                continue
+            try:
+                next(group)
+                paused.update(node_ids[k])
+            except StopIteration as done:
+                ended.update(done.value)
+                live[k] = None
+        if step is None:
+            break
+        evaluations.at(step, nodes, members, paused)
+    return [ended[j.node_id] for j in jobs]
