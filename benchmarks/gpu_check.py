@@ -20,12 +20,15 @@ DIR/gpu_check.md after every step (and printed at the end):
                summary.json, and tokens/s of the 4-node reading with offload_idle_nodes against resident nodes
   system       benchmarks.system --device cuda, microllama-300m at 32 x 512 tokens a step, fp32 / bf16 /
                bf16+compile: tokens/s, MFU, engine vs the strong plain loop, run.py rounds vs the node loop
+  stacked      benchmarks.stacked: 16 microllama-tiny nodes at micro-batch 1, and the paper's 4 microllama-300m
+               nodes at its starting batch 1 (bf16, seq_len 512), stacked against sequential: tokens/s, peak memory
   paper        the paper config (the 4-node reading, fp16, synced evaluations every 10 steps), 2 outer steps
   (the targets' steps run first, in about 6 minutes; run_*, torchrun* and curves after them)
 
 Targets (checked, and reported as met or not): the engine's node loop >= 0.95x the strong plain loop in fp32, bf16
 and bf16 + compile, 300M MFU >= 40% in bf16 + compile at 16k tokens a step, run.py end to end >= 0.85x the node
-loop, the measured peak within 10% of the memory plan, offloaded nodes >= 0.9x the tokens/s of resident ones; the
+loop, the measured peak within 10% of the memory plan, offloaded nodes >= 0.9x the tokens/s of resident ones,
+stacked nodes >= 5x sequential ones (16 microllama-tiny) and >= 3x (the paper's 4 at batch 1); the
 CUDA tests assert no sync in an inner step (set_sync_debug_mode "error") and no recompile after the warm-up.
 
 Needs the packages of requirements.txt except clearml and tensorboard (tracking is off), and the
@@ -76,7 +79,15 @@ TARGETS = {  # name -> (what, threshold)
     # 1 - |measured peak - plan| / plan, the worse of the two paper readings: >= 0.9 is "within 10%"
     "memory_plan_accuracy": ("1 - |peak - plan| / plan, worse paper reading", 0.9),
     "offloaded_over_resident": ("4-node reading, offload_idle_nodes / resident tokens/s", 0.9),
+    "stacked_16_tiny": ("16 microllama-tiny nodes at micro-batch 1, stacked / sequential tokens/s", 5.0),
+    "stacked_paper_4": ("the paper's 4 microllama-300m nodes at its starting batch 1, stacked / sequential", 3.0),
 }
+# the stacked step (benchmarks.stacked, issue 60): each case's arguments; the paper's nodes in bf16 (stacked refuses
+# fp16's per-node loss scale), at the paper's seq_len 512
+STACKED = {"stacked_16_tiny": ["--preset", "microllama-tiny", "--nodes", "16", "--batches", "1", "--steps", "10",
+                               "--seq-len", "128", "--repeats", "2"],
+           "stacked_paper_4": ["--preset", "microllama-300m", "--nodes", "4", "--batches", "1", "--steps", "5",
+                               "--seq-len", "512", "--precision", "bf16", "--repeats", "2"]}
 # the system step: microllama-300m at 32 x 512 = 16384 tokens a step (the MFU target's "at least 16k tokens")
 SYSTEM = ["--preset", "microllama-300m", "--seq-len", "512", "--batch", "32", "--steps", "5", "--inner-steps", "5",
           "--repeats", "2", "--variants", "fp32,bf16,bf16+compile"]
@@ -250,12 +261,32 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
             summary = json.loads((runs / "paper" / "summary.json").read_text())
             step.detail = {**summary_of(runs / "paper"),
                            "tokens_per_s": summary["tokens_seen"] / summary["wall_time_s"]}
+    elif step.name == "stacked":
+        text = stacked_step(step, run, out, python)
     elif step.name == "curves":  # the simulated clock's throughput curves (docs/clock.md)
         text = curves_step(step, run, out, python)
     else:  # pragma: no cover - the plan names only the steps above
         raise ValueError(step.name)
     if step.ok is False and not step.error:
         step.error = last_error_line(text)
+
+
+def stacked_step(step: Step, run, out: Path, python: str, device: str = "cuda", extra: tuple[str, ...] = ()
+                 ) -> str:
+    """benchmarks.stacked for each case of STACKED: its ratio of stacked to sequential tokens/s, and memory."""
+    text = ""
+    for name, arguments in STACKED.items():
+        numbers = out / f"{name}.json"
+        code, text = run(name, [python, "-m", "benchmarks.stacked", "--device", device, *arguments, *extra,
+                                "--json", str(numbers), "--markdown", str(out / "stacked.md")], step.max_s / 2)
+        if code != 0 or not numbers.is_file():
+            step.ok, step.error = False, f"{name}: {last_error_line(text)}"
+            return text
+        (result,) = json.loads(numbers.read_text())["results"]
+        step.detail[name] = {k: result[k] for k in ("speedup", "sequential_tokens_per_s", "stacked_tokens_per_s",
+                                                    "sequential_peak_mib", "stacked_peak_mib")}
+    step.ok = True
+    return text
 
 
 def curves_step(step: Step, run, out: Path, python: str) -> str:
@@ -319,6 +350,10 @@ def targets_of(steps: list[Step]) -> dict:
         measured["memory_plan_accuracy"] = min(memory[r]["accuracy"] for r in ("paper_4_nodes", "paper_16_nodes"))
         measured["offloaded_over_resident"] = (memory["paper_4_nodes_offloaded"]["tokens_per_s"]
                                                / memory["paper_4_nodes"]["tokens_per_s"])
+    stacked = next((s.detail for s in steps if s.name == "stacked" and s.ok), None)
+    if stacked:
+        for name in STACKED:
+            measured[name] = stacked[name]["speedup"]
     return {name: {"what": what, "target": threshold, "measured": measured[name],
                    "met": None if measured[name] is None else measured[name] >= threshold}
             for name, (what, threshold) in TARGETS.items()}
@@ -372,6 +407,7 @@ def write_report(result: dict, out: Path) -> tuple[Path, Path]:
 STEPS = [("cuda_tests", "pytest -m cuda (tests/test_cuda.py): no sync in an inner step, no recompile, TF32", 100),
          ("system", "benchmarks.system, microllama-300m, 16k tokens a step: engine vs strong plain loop, MFU", 100),
          ("memory", "the paper readings' first rounds: peak against the memory plan, offloaded tokens/s", 100),
+         ("stacked", "benchmarks.stacked: 16 tiny nodes, and the paper's 4 at batch 1, stacked vs sequential", 60),
          ("paper", "the paper config (4 nodes, fp16) for 2 outer steps of 50 inner steps", 60),
          ("run_fp32", "run.py on cuda, fp32", 30), ("run_bf16", "run.py on cuda, bf16 autocast", 30),
          ("run_threads", "run.py, 4 nodes as threads on one GPU", 30),

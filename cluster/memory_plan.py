@@ -229,6 +229,9 @@ def plan_memory(cfg: Config, sizes: ModelSizes, micro_batch: int, threads: bool,
                      "gradients": (nodes if synchronous else computing) * sizes.gradient_bytes,
                      "activations": computing * sizes.activation_bytes(micro_batch),
                      "statistics": nodes * statistics_sample_bytes}
+        if cfg.node_execution == "stacked":  # a new stack holds its nodes' state twice, before any gradient exists:
+            # the round's peak is the larger of the copy and the compute (distributed/stacked.py)
+            transient["stacking_copy"] = max(0, nodes * state_bytes - sum(transient.values()))
         if cfg.offload_idle_nodes:
             host["offloaded_nodes"] += nodes * state_bytes
         plans.append(DevicePlan(key, nodes, computing, resident, transient,

@@ -41,6 +41,7 @@ class InProcessBackend:
         (node_execution: stacked): a plain round's nodes of one shape and device run as one stacked model
         (distributed/stacked.py)."""
         self.nodes, self.master_device, self.stacked = nodes, master_device, stacked
+        self.stacks: dict = {}  # stacked: each group's Stack, kept for the next round of the same nodes
         self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
         self.sync, self.streaming = self.plan.outer_sync, self.plan.streaming
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
@@ -97,7 +98,7 @@ class InProcessBackend:
                     flat[job.trainer_id] = flatten(job.master, sorted(job.master), device)
             jobs = [dataclasses.replace(job, flat_master=flat[job.trainer_id]) for job in jobs]
         if self.stacked:
-            outcomes = stacked_round(self.nodes, jobs, self.sync, evaluations)
+            outcomes = stacked_round(self.nodes, jobs, self.sync, evaluations, self.stacks)
         elif evaluations is None:
             outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
         else:

@@ -12,10 +12,14 @@ as groups of their own. A node asked to fail by inject_fault (error, crash, hang
 sequential loop, so its fault is its own; a NaN (inject_fault nan, or a diverging node) stays in its slice: every
 operation here is per slice, so it faults that node only.
 
-State. Between rounds each node owns its weights and AdamW state as today (checkpoints, merges, moves and the
-rollback read them; a stacked run resumes sequentially and back). At a round's start the group's tensors are
-stacked (one copy) and each node's own tensors become views of its slice, so everything that reads a node during
-the round (a mid-round evaluation, the results) reads the stack, and nothing is copied back at the end.
+State. Each node owns its weights and AdamW state as today (checkpoints, merges, moves and the rollback read and
+write them through the node; a stacked run resumes sequentially and back), but its tensors are views of its row of
+the group's Stack: three [N, P] tensors (weights, the two moments), so AdamW, clipping and the batch test's samples
+are one operation each. Everything that reads a node (a mid-round evaluation, the results) reads the stack, and
+nothing is copied back. A stack stays from round to round while its group does (DiLoCo's constant batch: always);
+a new group (a batch grew, a merge moved nodes) allocates its stack and copies its nodes in, the old stack freed
+once no node points into it: for that moment a device holds its nodes' state twice, before any gradient or
+activation exists (the memory plan counts the larger of the two).
 
 What it refuses (utils/config_rules.py, one line each): BERT (bidirectional attention needs its padding mask, and
 transformers' mask checks read values that vmap cannot batch; a causal model's packed sequences need none),
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call, vmap
@@ -64,11 +69,36 @@ def groups_of(nodes: list[Node], jobs: list[NodeJob]) -> list[list[NodeJob]]:
     return list(groups.values())
 
 
-class StackedGroup:
-    """One round of a group of nodes (same device, same shapes) as one functional model over stacked weights."""
+@dataclass
+class Stack:
+    """A group's stacked state: each a [N, P] tensor, row k node k's tensors end to end in Node.params' order
+    (`layout`: each parameter's name, first column, last column + 1, shape). Node k's parameters and AdamW moments
+    are views of row k, so one row is one node's storage, and the group's weights, gradient and moments are three
+    tensors: AdamW, clipping and the batch test's samples are one operation each, whatever the model's tensor count."""
 
-    def __init__(self, nodes: list[Node], jobs: list[NodeJob]) -> None:
-        self.nodes, self.jobs = nodes, jobs
+    node_ids: tuple[int, ...]
+    weights: torch.Tensor  # the autograd leaf: its .grad is every node's gradient, [N, P]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    layout: list[tuple[str, int, int, torch.Size]]
+
+    def view(self, flat: torch.Tensor, row: int | None = None) -> list[torch.Tensor]:
+        """Each parameter of `flat`'s row `row` (None: every row, [N, *shape])."""
+        if row is None:
+            return [flat[:, a:b].view(flat.shape[0], *shape) for _, a, b, shape in self.layout]
+        return [flat[row, a:b].view(shape) for _, a, b, shape in self.layout]
+
+
+class StackedGroup:
+    """One round of a group of nodes (same device, same shapes) as one functional model over a Stack.
+
+    stacks: the backend's stacks of earlier rounds, by the nodes they hold. A group of the same nodes as an earlier
+    round's finds its nodes' tensors still views of that stack and copies nothing; a new group allocates its stack
+    and copies its nodes in (the memory plan counts the copy: cluster/memory_plan.py)."""
+
+    def __init__(self, nodes: list[Node], jobs: list[NodeJob], stacks: dict | None = None) -> None:
+        self.nodes, self.jobs, self.stacks = nodes, jobs, stacks
+        self.n = len(nodes)
         self.base = nodes[0].model  # its module structure runs every node's weights (functional_call)
         self.device, self.data, self.precision = nodes[0].device, nodes[0].data, nodes[0].precision
         self.names = [name for name, p in self.base.named_parameters() if p.requires_grad]  # Node.params' order
@@ -79,27 +109,43 @@ class StackedGroup:
                              and f"{name}.weight" in self.names]
 
     def _stack(self) -> None:
-        """The group's weights and AdamW state stacked along dim 0; each node's own tensors become views of its
-        slice (so the optimizer, the results and a mid-round evaluation read the stack). One tensor at a time: its
-        per-node storage is freed as its stack is made, so stacking holds at most one tensor twice."""
-        own = [node.params for node in self.nodes]
+        """The group's Stack (the one of an earlier round of the same nodes, or a new one), each node's parameters
+        and AdamW moments views of its row; a tensor that is not yet (a reset optimizer's new moments, weights
+        loaded elsewhere) is copied into its row first."""
+        node_ids = tuple(node.node_id for node in self.nodes)
+        stack = self.stacks.get(node_ids) if self.stacks is not None else None
+        if stack is None:
+            layout, start = [], 0
+            for name, p in zip(self.names, self.nodes[0].params):
+                layout.append((name, start, start + p.numel(), p.shape))
+                start += p.numel()
+            like = self.nodes[0].params[0]
+
+            def empty() -> torch.Tensor:
+                return torch.empty(self.n, start, dtype=like.dtype, device=like.device)
+
+            stack = Stack(node_ids, empty().requires_grad_(), empty(), empty(), layout)
+            if self.stacks is not None:  # a stack holding any of these nodes is theirs no more
+                for key in [k for k in self.stacks if set(k) & set(node_ids)]:
+                    del self.stacks[key]
+                self.stacks[node_ids] = stack
         states = [[self._adamw_state(node, p) for p in node.params] for node in self.nodes]
-        self.params, self.exp_avgs, self.exp_avg_sqs = [], [], []
         with torch.no_grad():
-            for i in range(len(self.names)):
-                self.params.append(torch.stack([ps[i].detach() for ps in own]).requires_grad_())
-                self.exp_avgs.append(torch.stack([s[i]["exp_avg"] for s in states]))
-                self.exp_avg_sqs.append(torch.stack([s[i]["exp_avg_sq"] for s in states]))
-                for k, (ps, per_param) in enumerate(zip(own, states)):
-                    ps[i].data = self.params[i].data[k]
-                    per_param[i]["exp_avg"].data = self.exp_avgs[i][k]
-                    per_param[i]["exp_avg_sq"].data = self.exp_avg_sqs[i][k]
-        self.states, self.n = states, len(self.nodes)
+            for k, node in enumerate(self.nodes):
+                for tensors, flat in ((node.params, stack.weights.data),
+                                      ([s["exp_avg"] for s in states[k]], stack.exp_avg),
+                                      ([s["exp_avg_sq"] for s in states[k]], stack.exp_avg_sq)):
+                    for tensor, row in zip(tensors, stack.view(flat, k)):
+                        if tensor.data_ptr() != row.data_ptr():
+                            row.copy_(tensor.data)
+                            tensor.data = row
+        self.stack, self.states = stack, states
         # each node's step count (one read per round) and learning rate; what they share, from the first
         self.steps = torch.tensor([float(s[0]["step"]) for s in states], dtype=torch.float64)
         self.lrs = torch.tensor([node.optimizer.param_groups[0]["lr"] for node in self.nodes], dtype=torch.float64)
         self.hyper = AdamWHyper.of(self.nodes[0].optimizer)
-        if any(AdamWHyper.of(node.optimizer) != self.hyper for node in self.nodes):
+        if any(AdamWHyper.of(node.optimizer) != self.hyper or len(node.optimizer.param_groups) != 1
+               for node in self.nodes):
             raise ValueError("node_execution stacked: the group's nodes differ in AdamW betas, eps or weight decay")
 
     @staticmethod
@@ -119,7 +165,7 @@ class StackedGroup:
 
     def _forward_backward(self, idx: torch.Tensor, scale: float) -> torch.Tensor:
         """One micro-batch of every node (idx: [N, rows] sequence indices), its losses scaled by `scale`, backward
-        into the stacked gradients; the unscaled losses [N], on the device."""
+        into the stack's gradient; the unscaled losses [N], on the device."""
         to_device = self.nodes[0]._to_device
         ids = to_device(self.data.input_ids[idx])
         # no attention mask, ever: transformers' mask checks read the mask's values, which vmap cannot batch. Packing
@@ -127,19 +173,20 @@ class StackedGroup:
         # no label: every loss and gradient is the masked one's (as a compiled node's buckets, node.py)
         labels = to_device(self.data.input_ids[idx].masked_fill(self.data.attention_mask[idx] == 0, -100)
                            ) if self.masked else ids
-        params = dict(zip(self.names, self.params))
+        params = dict(zip(self.names, self.stack.view(self.stack.weights)))
         with self.precision.autocast(self.device):
             losses = vmap(self._loss, in_dims=(0, 0, 0))(params, ids, labels)
-        (losses * scale).sum().backward()  # node n's loss reaches only its slice of each stacked tensor
+        (losses * scale).sum().backward()  # node n's loss reaches only its row of the stack
         with torch.no_grad():
+            grads = self.stack.view(self.stack.weights.grad)
             for i, row in self.padding_rows:  # as nn.Embedding's own backward: no gradient for the padding row
-                self.params[i].grad[:, row] = 0  # (vmap's batched embedding backward leaves it in)
+                grads[i][:, row] = 0  # (vmap's batched embedding backward leaves it in)
         return losses.detach().float()
 
     def _flat_grads(self) -> torch.Tensor:
-        """Each node's accumulated gradient as one fp32 vector: [N, P], Node.params' order."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(self.n, -1)
-                          for p in self.params], dim=1).float()
+        """Each node's accumulated gradient as one fp32 vector, a copy: [N, P], Node.params' order."""
+        grad = self.stack.weights.grad
+        return grad.float().clone() if grad is not None else torch.zeros_like(self.stack.weights, dtype=torch.float32)
 
     def _last_step_with_samples(self, idx: torch.Tensor, chunks: int):
         """Node._last_step_with_samples for every node at once (idx: [N, accumulation, micro-batch])."""
@@ -147,7 +194,7 @@ class StackedGroup:
         count = min(max(chunks, idx.shape[1]), flat.shape[1])
         pieces = torch.tensor_split(flat, count, dim=1)
         samples, losses = [], []
-        previous = torch.zeros(self.n, sum(p[0].numel() for p in self.params), device=self.device)
+        previous = torch.zeros(self.stack.weights.shape, device=self.device)
         for piece in pieces:
             share = piece.shape[1] / flat.shape[1]
             losses.append(self._forward_backward(piece, share) * share)
@@ -159,12 +206,10 @@ class StackedGroup:
 
     @torch.no_grad()
     def _clip(self, max_norm: float) -> None:
-        """torch.nn.utils.clip_grad_norm_ per node: its slices' total norm, its own coefficient."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(self.n, -1), dim=1) for g in grads])
-        coefficient = (max_norm / (torch.linalg.vector_norm(norms, dim=0) + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coefficient.to(g.dtype).reshape(-1, *([1] * (g.dim() - 1))))
+        """torch.nn.utils.clip_grad_norm_ per node: the norm of its row, its own coefficient."""
+        grad = self.stack.weights.grad
+        coefficient = (max_norm / (torch.linalg.vector_norm(grad, dim=1) + 1e-6)).clamp(max=1.0)
+        grad.mul_(coefficient.to(grad.dtype)[:, None])
 
     def steps(self, pauses: list[int] = ()) -> Generator[int, None, list[NodeResult]]:
         """The group's round, as Node.steps: it pauses after each inner-step count in `pauses` (yielding it) and
@@ -184,9 +229,8 @@ class StackedGroup:
         chunks = self.jobs[0].grad_chunks
         nan = torch.tensor([job.inject_fault == "nan" for job in self.jobs])
         losses, grad_samples, sample_batches = [], None, None
-        stop = self.nodes[0].stop
         for step in range(steps):
-            if stop.is_set():
+            if any(node.stop.is_set() for node in self.nodes):
                 raise RoundAbandoned(f"nodes {[j.node_id for j in self.jobs]} stopped before inner step {step}")
             idx = indices[:, step]
             if step == steps - 1 and chunks >= 2:
@@ -195,20 +239,19 @@ class StackedGroup:
                 loss = sum(self._forward_backward(idx[:, m], 1.0 / accumulation)
                            for m in range(accumulation)) / accumulation
                 if step == steps - 1 and chunks == 1:
-                    grad_samples = self._flat_grads()[:, None]
+                    grad_samples = self._flat_grads()[:, None]  # [N, 1, P]
                     sample_batches = torch.tensor([float(idx[0].numel())], dtype=torch.float64)
+            weights = self.stack.weights
             with torch.no_grad():
                 if step == 0 and bool(nan.any()):  # inject_fault nan: as a diverging step would, on that node only
-                    for p in self.params:
-                        p.grad[nan.to(p.device)] = float("nan")
+                    weights.grad[nan.to(weights.device)] = float("nan")
                     loss = torch.where(nan.to(loss.device), float("nan"), loss)
             losses.append(loss)
             if self.nodes[0].grad_clip > 0:
                 self._clip(self.nodes[0].grad_clip)
-            stacked_adamw_step(self.params, [p.grad for p in self.params], self.exp_avgs, self.exp_avg_sqs,
-                               self.steps, self.lrs, self.hyper)
-            for p in self.params:
-                p.grad = None
+            stacked_adamw_step([weights], [weights.grad], [self.stack.exp_avg], [self.stack.exp_avg_sq], self.steps,
+                               self.lrs, self.hyper)
+            weights.grad = None
             if step + 1 in pauses:
                 for node, node_losses in zip(self.nodes, torch.stack(losses).unbind(1)):
                     node.round_losses = list(node_losses)
@@ -228,7 +271,7 @@ class StackedGroup:
         return results
 
 
-def _group_round(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], sync
+def _group_round(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], sync, stacks: dict | None
                  ) -> Generator[int, None, dict[int, NodeResult | NodeFault]]:
     """A group's round to its end, its pauses passed on; each node's outcome (a group that raises faults every
     node of it: they shared the step that raised)."""
@@ -241,7 +284,7 @@ def _group_round(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], sync
                 return {jobs[0].node_id: out}
             yield out
     try:
-        results = yield from StackedGroup(members, jobs).steps(pauses)
+        results = yield from StackedGroup(members, jobs, stacks).steps(pauses)
     except (RoundAbandoned, InjectedCrash):
         raise
     except Exception as exc:  # the node-fault policy handles each member
@@ -249,14 +292,15 @@ def _group_round(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], sync
     return {j.node_id: finished(j, r, node, sync) for j, r, node in zip(jobs, results, members)}
 
 
-def stacked_round(nodes: list[Node], jobs: list[NodeJob], sync, evaluations: MidRound | None = None
-                  ) -> list[NodeResult | NodeFault]:
+def stacked_round(nodes: list[Node], jobs: list[NodeJob], sync, evaluations: MidRound | None = None,
+                  stacks: dict | None = None) -> list[NodeResult | NodeFault]:
     """A plain round with its nodes in stacked groups (one after another), paused at the mid-round evaluations:
-    every group to step k, then the evaluation, as distributed/mid_round.evaluated_round. Each job's outcome, in
-    the jobs' order."""
+    every group to step k, then the evaluation, as distributed/mid_round.evaluated_round. stacks: the Stacks of
+    earlier rounds (StackedGroup), kept by the caller from round to round. Each job's outcome, in the jobs'
+    order."""
     pauses = evaluations.steps if evaluations is not None else []
     members = trainer_members(jobs)
-    live = [_group_round(nodes, group, pauses, sync) for group in groups_of(nodes, jobs)]
+    live = [_group_round(nodes, group, pauses, sync, stacks) for group in groups_of(nodes, jobs)]
     node_ids = [[j.node_id for j in group] for group in groups_of(nodes, jobs)]
     ended: dict[int, NodeResult | NodeFault] = {}
     for step in [*pauses, None]:

@@ -92,6 +92,19 @@ def test_a_step_that_did_not_run_leaves_its_targets_unmeasured():
     assert text.count("| not measured |") == len(gpu_check.TARGETS)
 
 
+def test_the_stacked_step_rehearsed_on_the_cpu_records_each_cases_ratio(tmp_path):
+    """The stacked step's two cases, on the CPU with tiny settings (the same code the GPU runs, smaller): each case's
+    stacked / sequential ratio lands in the step's detail and in the targets."""
+    step = gpu_check.Step("stacked", "benchmarks.stacked", 240)
+    tiny = ("--preset", "microllama-nano", "--seq-len", "32", "--steps", "1", "--repeats", "1", "--nodes", "2")
+    gpu_check.stacked_step(step, gpu_check.Runner(tmp_path, time.time() + 200), tmp_path, sys.executable, "cpu", tiny)
+    assert step.ok, step.error
+    assert set(step.detail) == set(gpu_check.STACKED) and all(d["speedup"] > 0 for d in step.detail.values())
+    targets = gpu_check.targets_of([step])
+    assert targets["stacked_16_tiny"]["measured"] == step.detail["stacked_16_tiny"]["speedup"]
+    assert targets["stacked_paper_4"]["target"] == 3.0 and (tmp_path / "stacked.md").is_file()
+
+
 def test_the_cuda_marker_is_deselected_here_and_says_so():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -115,9 +115,10 @@ def test_a_stacked_round_ends_where_each_nodes_own_round_does(chunks):
     first = _jobs(masters, 2, 1, 2, 0, seed=5, reset=(True, True))
     second = _jobs(masters, 3, 2, 2, chunks, seed=6, reset=(False, True))
     assert [len(g) for g in groups_of(stacked, second)] == [2]
+    stacks = {}  # as the backend keeps them: the second round finds the first's stack and copies nothing in
     for jobs in (first, second):
         expected = [node.run(job) for node, job in zip(sequential, jobs)]
-        group = StackedGroup(stacked, jobs)
+        group = StackedGroup(stacked, jobs, stacks)
         rounds = group.steps()
         try:
             while True:
@@ -137,6 +138,22 @@ def test_a_stacked_round_ends_where_each_nodes_own_round_does(chunks):
             close(s_b["exp_avg"], s_a["exp_avg"])
             close(s_b["exp_avg_sq"], s_a["exp_avg_sq"])
     assert float(sequential[0].optimizer.state[sequential[0].params[0]]["step"]) == 5  # node 0 kept its history
+    (stack,) = stacks.values()  # one stack; each node's tensors are views of its row
+    for k, node in enumerate(stacked):
+        assert node.params[0].data_ptr() == stack.weights[k].data_ptr()
+        moment = node.optimizer.state[node.params[-1]]["exp_avg_sq"]
+        assert moment.data_ptr() == stack.view(stack.exp_avg_sq, k)[-1].data_ptr()
+
+
+def test_a_stop_leaves_a_stacked_round_between_two_inner_steps():
+    from node import RoundAbandoned
+
+    nodes, masters = _tiny_nodes()
+    rounds = StackedGroup(nodes, _jobs(masters, 3, 1, 2, 0, seed=5, reset=(True, True))).steps([1])
+    assert next(rounds) == 1  # paused after inner step 1; a stop arrives
+    nodes[0].stop.set()
+    with pytest.raises(RoundAbandoned, match=r"nodes \[0, 1\] stopped before inner step 1"):
+        next(rounds)
 
 
 def test_nodes_of_other_shapes_or_asked_to_fail_run_in_groups_of_their_own():
@@ -190,7 +207,9 @@ def _same_run(a, b):
     # DiLoCo b4 on 4 nodes of one device (one group of 4), the nodes estimator off, Nesterov outer steps
     ["num_init_trainers=1", "nodes_per_gpu=4", "sampling_method=constant", "initial_batch_size=4",
      "merge_frequency=0", "outer_momentum=0.9", "outer_nesterov=true"],
-], ids=["default", "diloco_b4"])
+    # 16 microllama-nano nodes on one device, 4 trainers of 4 nodes
+    ["model_config.name=microllama-nano", "nodes_per_gpu=16", "num_init_trainers=4", "num_outer_steps=2"],
+], ids=["default", "diloco_b4", "nano_16_nodes"])
 def test_a_stacked_run_makes_the_sequential_runs_decisions(tmp_path, cache_dir, config):
     extra = [f"cache_dir={cache_dir}", *config]
     sequential, _ = _run(tmp_path, "sequential", "node_execution=sequential", *extra)
