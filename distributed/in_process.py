@@ -15,10 +15,10 @@ import torch
 
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, empty_wire, flatten, sum_wires
-from distributed.mid_round import MidRound, MidRoundPlan, SummedStates, evaluated_round
+from distributed.mid_round import MidRound, MidRoundPlan, SummedStates, evaluated_round, own_steps
 from distributed.node_round import advance, combine, run_node
 from distributed.protocol import NodeFault, RoundResult
-from distributed.stacked import stacked_round
+from distributed.stacked import stacked_steps
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import SummedGradients, synchronous_round
 from fabrics.eval_tool import Evaluator
@@ -41,7 +41,8 @@ class InProcessBackend:
         (node_execution: stacked): a plain round's nodes of one shape and device run as one stacked model
         (distributed/stacked.py)."""
         self.nodes, self.master_device, self.stacked = nodes, master_device, stacked
-        self.stacks: dict = {}  # stacked: each group's Stack, kept for the next round of the same nodes
+        # each round's nodes: their own (Node.steps), or stacked groups whose Stacks are kept for the next round
+        self.steps_of = partial(stacked_steps, stacks={}) if stacked else own_steps
         self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
         self.sync, self.streaming = self.plan.outer_sync, self.plan.streaming
         self.pool = ThreadPoolExecutor(max_workers=len(nodes), thread_name_prefix="node") if concurrent else None
@@ -97,13 +98,13 @@ class InProcessBackend:
                     device = next(iter(job.master.values())).device
                     flat[job.trainer_id] = flatten(job.master, sorted(job.master), device)
             jobs = [dataclasses.replace(job, flat_master=flat[job.trainer_id]) for job in jobs]
-        if self.stacked:
-            outcomes = stacked_round(self.nodes, jobs, self.sync, evaluations, self.stacks)
-        elif evaluations is None:
+        if evaluations is None and not self.stacked:
             outcomes = self._map(lambda job: run_node(self.nodes[job.node_id], job, self.sync), jobs)
-        else:
+        else:  # paused at the evaluations (stacked: none, or some), each node's outcome as run_node makes it
+            evaluations = evaluations or MidRound(MidRoundPlan([], None), None)
             outcomes = list(evaluated_round(self.nodes, jobs, evaluations,
-                                            partial(self._advance, sync=self.sync, release_paused=True)).values())
+                                            partial(self._advance, sync=self.sync, release_paused=True),
+                                            self.steps_of).values())
         faults = [o for o in outcomes if isinstance(o, NodeFault)]
         masters = {j.trainer_id: j.master for j in jobs}
         members = {t: sum(j.trainer_id == t for j in jobs) for t in masters}
@@ -114,7 +115,7 @@ class InProcessBackend:
         """A Streaming DiLoCo round (distributed/streamed.py); a stop leaves it at once, every node together."""
         ended, errors = streamed_round(
             self.streaming, self.sync, self.nodes, jobs, trainers, _Wires(self.sync, self.master_device),
-            self._advance, evaluations)
+            self._advance, evaluations, self.steps_of)
         outcomes = [o for o in ended.values() if o is not LEFT]
         combined = combine([o for o in outcomes if isinstance(o, NodeResult)], self.plan, self.master_device,
                            streamed=True)

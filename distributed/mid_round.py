@@ -108,8 +108,18 @@ class SummedStates:
         return mean, [n for n, s in zip(node_ids, states) if s is not None]
 
 
+StepsOf = Callable[[list[Node], list[NodeJob], list[int]], dict]  # each job's round, pausing at the steps given
+
+
+def own_steps(nodes: list[Node], jobs: list[NodeJob], pauses: list[int]) -> dict:
+    """Each job's round on its own node (Node.steps); node_execution stacked gives them otherwise
+    (distributed/stacked.py: stacked_steps)."""
+    return {j.node_id: nodes[j.node_id].steps(j, pauses) for j in jobs}
+
+
 def evaluated_round(nodes: list[Node], jobs: list[NodeJob], mid_round: MidRound,
-                    run_nodes: Callable[[list[int], dict, dict], list]) -> dict[int, object]:
+                    run_nodes: Callable[[list[int], dict, dict], list], steps_of: StepsOf = own_steps
+                    ) -> dict[int, object]:
     """A round without other pauses (no streaming, no gradient averaging), paused at the evaluation steps.
 
     run_nodes(node_ids, round_steps, job_of): advance those nodes to their next pause (node_round.advance),
@@ -117,7 +127,7 @@ def evaluated_round(nodes: list[Node], jobs: list[NodeJob], mid_round: MidRound,
     Returns {node: NodeResult | NodeFault | LEFT} for every node."""
     job_of = {j.node_id: j for j in jobs}
     members = trainer_members(jobs)
-    round_steps = {j.node_id: nodes[j.node_id].steps(j, mid_round.steps) for j in jobs}
+    round_steps = steps_of(nodes, jobs, mid_round.steps)
     ended: dict[int, object] = {}
     for step in [*mid_round.steps, None]:  # None: on to the end of the round
         live = advance_live(round_steps, ended, job_of, run_nodes)

@@ -44,10 +44,7 @@ import torch
 from torch.func import functional_call, vmap
 
 from algorithms.stacked_adamw import AdamWHyper, stacked_adamw_step
-from distributed.mid_round import MidRound, trainer_members
-from distributed.node_round import advance, failed, finished
-from distributed.protocol import NodeFault
-from node import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
+from node import Node, NodeJob, NodeResult, RoundAbandoned
 from utils.model_state import float_state, load_float_state
 
 # torch has no batching rule for the CPU's flash attention and loops over the nodes instead (it says so at each
@@ -271,50 +268,55 @@ class StackedGroup:
         return results
 
 
-def _group_round(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], sync, stacks: dict | None
-                 ) -> Generator[int, None, dict[int, NodeResult | NodeFault]]:
-    """A group's round to its end, its pauses passed on; each node's outcome (a group that raises faults every
-    node of it: they shared the step that raised)."""
-    members = [nodes[j.node_id] for j in jobs]
-    if len(jobs) == 1:  # the sequential loop, exactly (node_round.advance)
-        round_steps = members[0].steps(jobs[0], pauses)
-        while True:
-            out = advance(round_steps, jobs[0], members[0], sync)
-            if not isinstance(out, int):
-                return {jobs[0].node_id: out}
-            yield out
-    try:
-        results = yield from StackedGroup(members, jobs, stacks).steps(pauses)
-    except (RoundAbandoned, InjectedCrash):
-        raise
-    except Exception as exc:  # the node-fault policy handles each member
-        return {j.node_id: failed(j, exc) for j in jobs}
-    return {j.node_id: finished(j, r, node, sync) for j, r, node in zip(jobs, results, members)}
+class _Shared:
+    """One group's round (StackedGroup.steps), advanced by whichever member's facade asks first: its pauses so far,
+    then its results, or the exception that ended it (every member's)."""
 
+    def __init__(self, round_steps: Generator) -> None:
+        self.round_steps, self.pauses = round_steps, []
+        self.results: list[NodeResult] | None = None
+        self.error: BaseException | None = None
 
-def stacked_round(nodes: list[Node], jobs: list[NodeJob], sync, evaluations: MidRound | None = None,
-                  stacks: dict | None = None) -> list[NodeResult | NodeFault]:
-    """A plain round with its nodes in stacked groups (one after another), paused at the mid-round evaluations:
-    every group to step k, then the evaluation, as distributed/mid_round.evaluated_round. stacks: the Stacks of
-    earlier rounds (StackedGroup), kept by the caller from round to round. Each job's outcome, in the jobs'
-    order."""
-    pauses = evaluations.steps if evaluations is not None else []
-    members = trainer_members(jobs)
-    live = [_group_round(nodes, group, pauses, sync, stacks) for group in groups_of(nodes, jobs)]
-    node_ids = [[j.node_id for j in group] for group in groups_of(nodes, jobs)]
-    ended: dict[int, NodeResult | NodeFault] = {}
-    for step in [*pauses, None]:
-        paused: set[int] = set()
-        for k, group in enumerate(live):
-            if group is None:
-                continue
+    def reach(self, count: int) -> None:
+        """Advance the group until it has passed `count` + 1 pauses, or ended."""
+        while len(self.pauses) <= count and self.results is None and self.error is None:
             try:
-                next(group)
-                paused.update(node_ids[k])
+                self.pauses.append(next(self.round_steps))
             except StopIteration as done:
-                ended.update(done.value)
-                live[k] = None
-        if step is None:
-            break
-        evaluations.at(step, nodes, members, paused)
-    return [ended[j.node_id] for j in jobs]
+                self.results = done.value
+            except BaseException as exc:  # noqa: BLE001 - each member's facade raises it, where the node's would
+                self.error = exc
+
+
+def _facade(shared: _Shared, k: int) -> Generator[int, None, NodeResult]:
+    """Member k's round as Node.steps gives it: the group's pauses, then member k's result. The backends' round
+    drivers (evaluated_round, streamed_round) advance every live node of a group to the same pause, so the group
+    advances once per pause; a member left out (a fault before a fragment) is simply not asked."""
+    count = 0
+    while True:
+        shared.reach(count)
+        if count < len(shared.pauses):
+            yield shared.pauses[count]
+            count += 1
+            continue
+        if shared.error is not None:
+            raise shared.error
+        return shared.results[k]
+
+
+def stacked_steps(nodes: list[Node], jobs: list[NodeJob], pauses: list[int], stacks: dict | None = None
+                  ) -> dict[int, Generator]:
+    """Each job's round as Node.steps gives it (pausing at `pauses`, returning its NodeResult), its group run as
+    one StackedGroup (a group of one: the node's own Node.steps). The backends' round drivers take these in place of
+    the nodes' own rounds, so faults, compression, evaluations and fragments are handled per node as in the
+    sequential loop. stacks: the Stacks of earlier rounds (StackedGroup), kept by the caller."""
+    round_steps = {}
+    for group in groups_of(nodes, jobs):
+        members = [nodes[j.node_id] for j in group]
+        if len(group) == 1:
+            round_steps[group[0].node_id] = members[0].steps(group[0], pauses)
+            continue
+        shared = _Shared(StackedGroup(members, group, stacks).steps(pauses))
+        for k, job in enumerate(group):
+            round_steps[job.node_id] = _facade(shared, k)
+    return round_steps

@@ -17,7 +17,7 @@ import torch
 
 from algorithms.outer_sync import OuterSync, fragment_average, fragment_wire
 from algorithms.streaming import StreamingPlan, mix_fragment
-from distributed.mid_round import MidRound, advance_live, trainer_members
+from distributed.mid_round import MidRound, StepsOf, advance_live, own_steps, trainer_members
 from distributed.protocol import NodeFault
 from node import Node, NodeJob, NodeResult
 from trainers import Trainer
@@ -67,19 +67,19 @@ class FragmentTransport(Protocol):
 def streamed_round(plan: StreamingPlan, sync: OuterSync, nodes: list[Node], jobs: list[NodeJob],
                    trainers: dict[int, Trainer], transport: FragmentTransport,
                    run_nodes: Callable[[list[int], dict, dict], list],
-                   mid_round: MidRound | None = None) -> tuple[dict, dict[int, str]]:
+                   mid_round: MidRound | None = None, steps_of: StepsOf = own_steps) -> tuple[dict, dict[int, str]]:
     """Run this process's `jobs` through one streamed round.
 
     run_nodes(node_ids, round_steps, job_of): advance those nodes to their next pause (`rounds.advance`), returning
     each one's outcome (a pause's step count, its result, its fault, or LEFT).
     mid_round: the nodes also pause at its steps, where each trainer's synced model is scored (before that step's
-    sends and landings: the round ending there).
+    sends and landings: the round ending there). steps_of: each job's round (its own node's, or a stacked group's).
     Returns ({node: NodeResult | NodeFault | LEFT} for every node, {trainer: outer-step error})."""
     job_of = {j.node_id: j for j in jobs}
     members = trainer_members(jobs)
     evaluated = set(mid_round.steps) if mid_round is not None else set()
     pauses = sorted(set(plan.pauses) | evaluated)
-    round_steps = {j.node_id: nodes[j.node_id].steps(j, pauses) for j in jobs}
+    round_steps = steps_of(nodes, jobs, pauses)
     numels = {n: v.numel() for n, v in next(iter(trainers.values())).master.items()}
     spans, total = plan.offsets(numels), sum(numels.values())
     ended: dict[int, NodeResult | NodeFault | str] = {}  # a node's result, fault, or LEFT: it left the round

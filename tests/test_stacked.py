@@ -209,11 +209,18 @@ def _same_run(a, b):
      "merge_frequency=0", "outer_momentum=0.9", "outer_nesterov=true"],
     # 16 microllama-nano nodes on one device, 4 trainers of 4 nodes
     ["model_config.name=microllama-nano", "nodes_per_gpu=16", "num_init_trainers=4", "num_outer_steps=2"],
-], ids=["default", "diloco_b4", "nano_16_nodes"])
-def test_a_stacked_run_makes_the_sequential_runs_decisions(tmp_path, cache_dir, config):
+    # Streaming DiLoCo's fragments (2, one step of delay) with int8 pseudo-gradients and error feedback
+    ["sync_fragments=2", "sync_delay=1", "num_inner_steps=4", "outer_compression=int8"],
+], ids=["default", "diloco_b4", "nano_16_nodes", "streamed_int8"])
+def test_a_stacked_run_makes_the_sequential_runs_decisions(tmp_path, cache_dir, config, monkeypatch):
     extra = [f"cache_dir={cache_dir}", *config]
     sequential, _ = _run(tmp_path, "sequential", "node_execution=sequential", *extra)
+    sizes = []  # the stacked groups the run made: it stacked, not merely ran its nodes one by one
+    made = StackedGroup.__init__
+    monkeypatch.setattr(StackedGroup, "__init__", lambda self, nodes, *a: (sizes.append(len(nodes)),
+                                                                            made(self, nodes, *a))[1])
     stacked, _ = _run(tmp_path, "stacked", "node_execution=stacked", *extra)
+    assert sizes and max(sizes) == (16 if "nodes_per_gpu=16" in config else 4 if "nodes_per_gpu=4" in config else 2)
     merges = _same_run(sequential, stacked)
     assert bool(merges) == ("merge_frequency=0" not in config)
     if "eval_every_inner_steps=1" in config:  # the synced model within a round, read from the stack
@@ -235,7 +242,7 @@ def test_a_nan_faults_its_node_only_and_a_stacked_run_resumes_sequentially(tmp_p
 
 @pytest.mark.parametrize("setting, key", [
     ("distributed_algo=DDP", "distributed_algo"), ("distributed_algo=LocalSGD", "distributed_algo"),
-    ("sync_fragments=2", "sync_fragments"), ("precision=fp16", "precision"),
+    ("model_type=bert", "model_type"), ("precision=fp16", "precision"),
     ("offload_idle_nodes=true", "offload_idle_nodes")])
 def test_what_stacked_cannot_run_is_refused_in_one_line(tiny_config, capsys, setting, key):
     with pytest.raises(ConfigError, match=f"^config key '{key}': .*not with node_execution: stacked"):

@@ -77,7 +77,6 @@ def stacked_refusals(cfg: ConfigFields) -> None:
                "models, whose packed sequences need no attention mask)",
                "distributed_algo": cfg.distributed_algo != "DiLoCo" and f"{cfg.distributed_algo} (stacked runs "
                "DiLoCo's inner AdamW; DDP and SNOO average gradients per node, LocalSGD steps SGD)",
-               "sync_fragments": cfg.streams and "Streaming DiLoCo (each node pauses on its own for its fragments)",
                "compile": cfg.compile and "true (the stacked model is not compiled)",
                "precision": cfg.precision == "fp16" and "fp16 (one loss scale per node)",
                "offload_idle_nodes": cfg.offload_idle_nodes and "true (a stack holds all of its nodes at once)"}
