@@ -21,12 +21,16 @@ a new group (a batch grew, a merge moved nodes) allocates its stack and copies i
 once no node points into it: for that moment a device holds its nodes' state twice, before any gradient or
 activation exists (the memory plan counts the larger of the two).
 
+The round drivers are the sequential loop's: `stacked_steps` hands evaluated_round and streamed_round each node's
+round as Node.steps would (a facade over its group's one round, which advances once per pause), so faults, the
+compressed outer sync's encoding, mid-round evaluations and Streaming DiLoCo's fragments are handled per node by the
+same code.
+
 What it refuses (utils/config_rules.py, one line each): BERT (bidirectional attention needs its padding mask, and
 transformers' mask checks read values that vmap cannot batch; a causal model's packed sequences need none),
-inner optimizers other than AdamW (LocalSGD), DDP / SNOO
-(their gradient averaging is per node), Streaming DiLoCo (fragments pause each node on its own), compile, fp16
-(one loss scale per node), offload_idle_nodes (a stack holds its nodes at once). Under torchrun each process holds
-one node: a group of one, the sequential loop.
+inner optimizers other than AdamW (LocalSGD), DDP / SNOO (their gradients are averaged per node between backward
+and step), compile, fp16 (one loss scale per node), offload_idle_nodes (a stack holds its nodes at once). Under
+torchrun each process holds one node: a group of one, the sequential loop.
 
 Equality with the sequential loop: the same operations per slice, in another order of sums (vmap batches the
 matmuls; the clipping norm is taken per slice): losses, weights and AdamW state agree within 1e-5 relative in
