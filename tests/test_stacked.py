@@ -240,6 +240,23 @@ def test_a_nan_faults_its_node_only_and_a_stacked_run_resumes_sequentially(tmp_p
     _same_run(sequential, stacked)
 
 
+def test_the_memory_plan_counts_a_stack_at_once(tiny_config):
+    """Stacked, every node of a device computes at once (their gradients and activations), and a new stack's copy
+    of their state is counted where it exceeds that (before any gradient exists)."""
+    from cluster.memory_plan import plan_for_config
+
+    sequential, stacked = (plan_for_config(tiny_config("nodes_per_gpu=4", "num_init_trainers=1",
+                                                       f"node_execution={way}")).devices[0]
+                           for way in ("sequential", "stacked"))
+    assert (sequential.computing, stacked.computing) == (1, 4)
+    assert stacked.transient["gradients"] == 4 * sequential.transient["gradients"]
+    assert stacked.transient["activations"] == 4 * sequential.transient["activations"]
+    state = sum(stacked.resident[k] for k in ("node_weights", "node_optimizer"))
+    compute = sum(v for k, v in stacked.transient.items() if k != "stacking_copy")
+    assert stacked.transient["stacking_copy"] == max(0, state - compute)
+    assert "stacking_copy" not in sequential.transient
+
+
 @pytest.mark.parametrize("setting, key", [
     ("distributed_algo=DDP", "distributed_algo"), ("distributed_algo=LocalSGD", "distributed_algo"),
     ("model_type=bert", "model_type"), ("precision=fp16", "precision"),
