@@ -3,9 +3,9 @@
 By hand: AdamW over stacked tensors moves each slice as the node's own torch.optim.AdamW (its own step count and
 learning rate), and a round of two tiny nodes (other weights, other optimizer histories, padded batches whose
 padding token reaches the embedding, the batch test's samples) ends within 1e-5 of each node's own round. End to
-end: the default config and a 4-node DiLoCo b4 run give the sequential run's batch decisions and merges with node
-losses within 1e-5; a NaN faults its node only; a stacked run resumes sequentially to the uninterrupted run; what
-it cannot run is refused in one line.
+end: the default config, a 4-node DiLoCo b4, 16 nano nodes and a streamed int8 run give the sequential run's batch
+decisions and merges with node losses within 1e-4 after 3 rounds; a NaN faults its node only; a stacked run
+resumes sequentially (and back) to the uninterrupted run; what it cannot run is refused in one line.
 """
 
 import copy
@@ -178,12 +178,13 @@ def _rows(run_dir, name):
 
 
 def _agree(rows_a, rows_b, exact, close):
-    """The same rows: the columns in `exact` equal, those in `close` within 1e-5 relative."""
+    """The same rows: the columns in `exact` equal, those in `close` within 1e-4 relative (a round's differences,
+    within 1e-5 by hand above, compound over a run's rounds)."""
     assert len(rows_a) == len(rows_b)
     for ra, rb in zip(rows_a, rows_b):
         assert {k: ra[k] for k in exact} == {k: rb[k] for k in exact}
         for k in close:
-            assert ra[k] == rb[k] or float(rb[k]) == pytest.approx(float(ra[k]), rel=1e-5), k
+            assert ra[k] == rb[k] or float(rb[k]) == pytest.approx(float(ra[k]), rel=1e-4), k
 
 
 DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_batch", "accumulation_steps",
@@ -191,7 +192,7 @@ DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_bat
 
 
 def _same_run(a, b):
-    """The same batch decisions and merges; losses and metrics within 1e-5 relative."""
+    """The same batch decisions and merges; losses and metrics within 1e-4 relative."""
     merges = _rows(a, "merge_events.csv")
     _agree(merges, _rows(b, "merge_events.csv"), ("outer_step", "survivor", "merged", "weights", "requested_batches",
                                                   "bytes", "metric"), ("metric_weighted_before", "metric_after"))
@@ -228,7 +229,7 @@ def test_a_stacked_run_makes_the_sequential_runs_decisions(tmp_path, cache_dir, 
                ("outer_step", "trainer_id", "nodes", "inner_step"), ("val_loss",))
 
 
-def test_a_nan_faults_its_node_only_and_a_stacked_run_resumes_sequentially(tmp_path, cache_dir):
+def test_a_nan_faults_its_node_only_and_a_stacked_run_resumes_sequentially_and_back(tmp_path, cache_dir):
     extra = [f"cache_dir={cache_dir}", "on_node_fault=skip", "inject_fault=2:1:nan"]
     sequential, _ = _run(tmp_path, "sequential", "node_execution=sequential", *extra)
     stacked, _ = _run(tmp_path, "stacked", "node_execution=stacked", *extra, "num_outer_steps=2")
@@ -238,6 +239,11 @@ def test_a_nan_faults_its_node_only_and_a_stacked_run_resumes_sequentially(tmp_p
     assert (fault["outer_step"], fault["node_id"], fault["kind"]) == ("2", "1", "nan")
     assert _rows(stacked, "fault_events.csv") == _rows(sequential, "fault_events.csv")
     _same_run(sequential, stacked)
+    # and back: a sequential run resumed stacked
+    back, _ = _run(tmp_path, "back", "node_execution=sequential", *extra, "num_outer_steps=1")
+    cfg, checkpoint = resume_config(back, ["num_outer_steps=3", "node_execution=stacked"], None)
+    back, _ = train(cfg, (back, checkpoint))
+    _same_run(sequential, back)
 
 
 def test_the_memory_plan_counts_a_stack_at_once(tiny_config):
