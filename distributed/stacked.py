@@ -55,6 +55,9 @@ from utils.model_state import float_state, load_float_state
 # call); the numbers are right, and benchmarks/stacked.py measures what it costs
 warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the "
                         "batching rule for aten::_scaled_dot_product_flash_attention_for_cpu")
+# a leaf's .grad is a view of the stack's gradient row by row (Stack.leaves), strided as the leaf itself: autograd
+# accumulates into it in place all the same, and says so at each backward
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout contract")
 ALONE = ("error", "crash", "hang")  # inject_fault kinds that run on their own node (the sequential loop)
 
 
@@ -78,10 +81,22 @@ class Stack:
     tensors: AdamW, clipping and the batch test's samples are one operation each, whatever the model's tensor count."""
 
     node_ids: tuple[int, ...]
-    weights: torch.Tensor  # the autograd leaf: its .grad is every node's gradient, [N, P]
+    weights: torch.Tensor
+    grad: torch.Tensor  # every node's accumulated gradient: the leaves' .grad are views of it
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     layout: list[tuple[str, int, int, torch.Size]]
+
+    def leaves(self) -> list[torch.Tensor]:
+        """What the functional model reads: each parameter of every node ([N, *shape]), an autograd leaf that is a
+        view of `weights`, whose .grad is its view of `grad` (backward accumulates there in place). Leaves of their
+        own, not autograd views of one [N, P] leaf, whose backward would add a zero-filled [N, P] per parameter."""
+        leaves = []
+        for weight, grad in zip(self.view(self.weights), self.view(self.grad)):
+            leaf = weight.requires_grad_()
+            leaf.grad = grad
+            leaves.append(leaf)
+        return leaves
 
     def view(self, flat: torch.Tensor, row: int | None = None) -> list[torch.Tensor]:
         """Each parameter of `flat`'s row `row` (None: every row, [N, *shape])."""
@@ -125,7 +140,7 @@ class StackedGroup:
             def empty() -> torch.Tensor:
                 return torch.empty(self.n, start, dtype=like.dtype, device=like.device)
 
-            stack = Stack(node_ids, empty().requires_grad_(), empty(), empty(), layout)
+            stack = Stack(node_ids, empty(), empty(), empty(), empty(), layout)
             if self.stacks is not None:  # a stack holding any of these nodes is theirs no more
                 for key in [k for k in self.stacks if set(k) & set(node_ids)]:
                     del self.stacks[key]
@@ -133,14 +148,14 @@ class StackedGroup:
         states = [[self._adamw_state(node, p) for p in node.params] for node in self.nodes]
         with torch.no_grad():
             for k, node in enumerate(self.nodes):
-                for tensors, flat in ((node.params, stack.weights.data),
+                for tensors, flat in ((node.params, stack.weights),
                                       ([s["exp_avg"] for s in states[k]], stack.exp_avg),
                                       ([s["exp_avg_sq"] for s in states[k]], stack.exp_avg_sq)):
                     for tensor, row in zip(tensors, stack.view(flat, k)):
                         if tensor.data_ptr() != row.data_ptr():
                             row.copy_(tensor.data)
                             tensor.data = row
-        self.stack, self.states = stack, states
+        self.stack, self.states, self.leaves = stack, states, stack.leaves()
         # each node's step count (one read per round) and learning rate; what they share, from the first
         self.steps = torch.tensor([float(s[0]["step"]) for s in states], dtype=torch.float64)
         self.lrs = torch.tensor([node.optimizer.param_groups[0]["lr"] for node in self.nodes], dtype=torch.float64)
@@ -174,20 +189,19 @@ class StackedGroup:
         # no label: every loss and gradient is the masked one's (as a compiled node's buckets, node.py)
         labels = to_device(self.data.input_ids[idx].masked_fill(self.data.attention_mask[idx] == 0, -100)
                            ) if self.masked else ids
-        params = dict(zip(self.names, self.stack.view(self.stack.weights)))
+        params = dict(zip(self.names, self.leaves))
         with self.precision.autocast(self.device):
             losses = vmap(self._loss, in_dims=(0, 0, 0))(params, ids, labels)
         (losses * scale).sum().backward()  # node n's loss reaches only its row of the stack
         with torch.no_grad():
-            grads = self.stack.view(self.stack.weights.grad)
+            grads = self.stack.view(self.stack.grad)
             for i, row in self.padding_rows:  # as nn.Embedding's own backward: no gradient for the padding row
                 grads[i][:, row] = 0  # (vmap's batched embedding backward leaves it in)
         return losses.detach().float()
 
     def _flat_grads(self) -> torch.Tensor:
         """Each node's accumulated gradient as one fp32 vector, a copy: [N, P], Node.params' order."""
-        grad = self.stack.weights.grad
-        return grad.float().clone() if grad is not None else torch.zeros_like(self.stack.weights, dtype=torch.float32)
+        return self.stack.grad.float().clone()
 
     def _last_step_with_samples(self, idx: torch.Tensor, chunks: int):
         """Node._last_step_with_samples for every node at once (idx: [N, accumulation, micro-batch])."""
@@ -195,7 +209,7 @@ class StackedGroup:
         count = min(max(chunks, idx.shape[1]), flat.shape[1])
         pieces = torch.tensor_split(flat, count, dim=1)
         samples, losses = [], []
-        previous = torch.zeros(self.stack.weights.shape, device=self.device)
+        previous = torch.zeros(self.stack.grad.shape, device=self.device)
         for piece in pieces:
             share = piece.shape[1] / flat.shape[1]
             losses.append(self._forward_backward(piece, share) * share)
@@ -208,7 +222,7 @@ class StackedGroup:
     @torch.no_grad()
     def _clip(self, max_norm: float) -> None:
         """torch.nn.utils.clip_grad_norm_ per node: the norm of its row, its own coefficient."""
-        grad = self.stack.weights.grad
+        grad = self.stack.grad
         coefficient = (max_norm / (torch.linalg.vector_norm(grad, dim=1) + 1e-6)).clamp(max=1.0)
         grad.mul_(coefficient.to(grad.dtype)[:, None])
 
@@ -234,6 +248,7 @@ class StackedGroup:
             if any(node.stop.is_set() for node in self.nodes):
                 raise RoundAbandoned(f"nodes {[j.node_id for j in self.jobs]} stopped before inner step {step}")
             idx = indices[:, step]
+            self.stack.grad.zero_()  # what backward accumulates into (a node's zero_grad)
             if step == steps - 1 and chunks >= 2:
                 loss, grad_samples, sample_batches = self._last_step_with_samples(idx, chunks)
             else:
@@ -242,17 +257,16 @@ class StackedGroup:
                 if step == steps - 1 and chunks == 1:
                     grad_samples = self._flat_grads()[:, None]  # [N, 1, P]
                     sample_batches = torch.tensor([float(idx[0].numel())], dtype=torch.float64)
-            weights = self.stack.weights
+            stack = self.stack
             with torch.no_grad():
                 if step == 0 and bool(nan.any()):  # inject_fault nan: as a diverging step would, on that node only
-                    weights.grad[nan.to(weights.device)] = float("nan")
+                    stack.grad[nan.to(stack.grad.device)] = float("nan")
                     loss = torch.where(nan.to(loss.device), float("nan"), loss)
             losses.append(loss)
             if self.nodes[0].grad_clip > 0:
                 self._clip(self.nodes[0].grad_clip)
-            stacked_adamw_step([weights], [weights.grad], [self.stack.exp_avg], [self.stack.exp_avg_sq], self.steps,
+            stacked_adamw_step([stack.weights], [stack.grad], [stack.exp_avg], [stack.exp_avg_sq], self.steps,
                                self.lrs, self.hyper)
-            weights.grad = None
             if step + 1 in pauses:
                 for node, node_losses in zip(self.nodes, torch.stack(losses).unbind(1)):
                     node.round_losses = list(node_losses)
