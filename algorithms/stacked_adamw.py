@@ -5,7 +5,8 @@ AdamW is elementwise, so node n's slice of each tensor moves exactly as its own 
 parameter, given node n's own step count and learning rate (each a tensor of one value per node, broadcast over
 the slice). The operations are torch's single-tensor AdamW's (torch/optim/adamw.py, the path a CPU parameter
 takes), in its order: the decoupled weight decay, the moments, the bias corrections in float64 per node, then
-param -= lr / bias_correction1 * exp_avg / (sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps).
+param -= lr / bias_correction1 * exp_avg / (sqrt(exp_avg_sq) / sqrt(bias_correction2) + eps), the step size
+folded into the denominator (one temporary per tensor, as torch's own).
 """
 
 from __future__ import annotations
@@ -54,5 +55,6 @@ def stacked_adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], ex
             param.mul_(_per_node(decay, param))
         exp_avg.lerp_(grad, 1 - hyper.beta1)
         exp_avg_sq.mul_(hyper.beta2).addcmul_(grad, grad, value=1 - hyper.beta2)
-        denom = (exp_avg_sq.sqrt() / _per_node(bias_correction2_sqrt, param)).add_(hyper.eps)
-        param.sub_(_per_node(step_size, param) * exp_avg / denom)
+        denom = exp_avg_sq.sqrt().div_(_per_node(bias_correction2_sqrt, param)).add_(hyper.eps)
+        # step_size x exp_avg / denom as exp_avg / (denom / step_size): in place, no second temporary
+        param.addcdiv_(exp_avg, denom.div_(_per_node(step_size, param)), value=-1.0)
