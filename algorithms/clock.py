@@ -57,6 +57,16 @@ class ThroughputCurve:
         """The largest micro-batch measured without accumulation (a flat curve covers every batch)."""
         return math.inf if self.is_flat else max(b for b, a, _ in self.points if a == 1)
 
+    def device_shape(self, micro_batch: int, accumulation: int = 1) -> tuple[int, int]:
+        """How the curve's device would run a step of micro_batch x accumulation sequences: in the largest
+        micro-batch it measured without accumulation that divides the step (the rest accumulated), not in the
+        micro-batches another machine's memory allowed. A flat curve keeps the shape as run."""
+        if self.is_flat:
+            return micro_batch, accumulation
+        sequences = micro_batch * accumulation
+        fits = max((b for b, a, _ in self.points if a == 1 and b <= sequences and sequences % b == 0), default=1)
+        return fits, sequences // fits
+
     def tokens_per_s(self, micro_batch: int, accumulation: int = 1) -> float:
         levels = sorted({a for _, a, _ in self.points})
         level = max((a for a in levels if a <= accumulation), default=levels[0])

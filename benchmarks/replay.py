@@ -77,8 +77,17 @@ def _curve(throughput: float | ThroughputCurve) -> ThroughputCurve:
 
 
 def replay(rounds: list[RoundWork], net: Network, throughput: float | ThroughputCurve, weight_bytes: int,
-           speeds: list[float] | None = None, lockstep: bool = False) -> tuple[Clock, dict[int, float]]:
-    """The finished run's rounds through the clock: the clock at the end, and when each outer step ended."""
+           speeds: list[float] | None = None, lockstep: bool = False,
+           device_shapes: bool = False) -> tuple[Clock, dict[int, float]]:
+    """The finished run's rounds through the clock: the clock at the end, and when each outer step ended.
+    device_shapes: each step priced in the micro-batches the curve's device would use (ThroughputCurve.device_shape:
+    re-pricing a run made elsewhere), not those it ran in (a run's own curve: its live clock)."""
+    curve = _curve(throughput)
+
+    def shape(t: TrainerRound) -> tuple[int, int]:
+        return curve.device_shape(t.micro_batch, t.accumulation) if device_shapes else (t.micro_batch,
+                                                                                         t.accumulation)
+
     numbered = []
     for work in rounds:  # node ids where the logs had none (hand-made rounds)
         first = 0
@@ -86,7 +95,7 @@ def replay(rounds: list[RoundWork], net: Network, throughput: float | Throughput
             numbered.append(t.nodes or tuple(range(first, first + t.num_nodes)))
             first = max(numbered[-1], default=first - 1) + 1
     total = max((max(n, default=-1) for n in numbered), default=-1) + 1
-    clock = Clock(net, _curve(throughput), speeds or [1.0] * total, weight_bytes, lockstep)
+    clock = Clock(net, curve, speeds or [1.0] * total, weight_bytes, lockstep)
     times, ids = {0: 0.0}, iter(numbered)
     for work in rounds:
         move = work.node_move_bytes / work.node_moves if work.node_moves else 0
@@ -94,7 +103,7 @@ def replay(rounds: list[RoundWork], net: Network, throughput: float | Throughput
         receivers = {n for t in work.trainers for n in t.receivers}
         if move and not receivers:  # moves without their nodes (hand-made rounds): the first node receives
             receivers = set(next((nodes for nodes in nodes_of if nodes), ())[:1])
-        clock.round([TrainerWork(t.trainer_id, [NodeWork(n, t.tokens / t.num_nodes, t.micro_batch, t.accumulation,
+        clock.round([TrainerWork(t.trainer_id, [NodeWork(n, t.tokens / t.num_nodes, *shape(t),
                                                          move if n in receivers else 0) for n in nodes], t.sync)
                      for t, nodes in zip(work.trainers, nodes_of) if t.num_nodes])
         for m in work.merges:
@@ -104,11 +113,12 @@ def replay(rounds: list[RoundWork], net: Network, throughput: float | Throughput
 
 
 def timeline(rounds: list[RoundWork], net: Network, node_throughput: float | ThroughputCurve, weight_bytes: int,
-             speeds: list[float] | None = None, lockstep: bool = False) -> tuple[dict[int, float], float]:
+             speeds: list[float] | None = None, lockstep: bool = False,
+             device_shapes: bool = False) -> tuple[dict[int, float], float]:
     """Predicted wall time at the end of each round, by outer step ({0: 0.0, 1: t1, 2: ...}), and how much of the
-    whole compute alone would take (the same run on an infinitely fast network)."""
-    _, times = replay(rounds, net, node_throughput, weight_bytes, speeds, lockstep)
-    compute = replay(rounds, INSTANT, node_throughput, weight_bytes, speeds, lockstep)[0].now
+    whole compute alone would take (the same run on an infinitely fast network). device_shapes: as `replay`."""
+    _, times = replay(rounds, net, node_throughput, weight_bytes, speeds, lockstep, device_shapes)
+    compute = replay(rounds, INSTANT, node_throughput, weight_bytes, speeds, lockstep, device_shapes)[0].now
     return times, compute
 
 

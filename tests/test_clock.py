@@ -8,7 +8,7 @@ import pytest
 from algorithms.clock import Clock, NodeSchedule, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.network import Network, parse_network
 from algorithms.traffic import SyncCost
-from benchmarks.replay import read_rounds, replay, timeline
+from benchmarks.replay import RoundWork, TrainerRound, read_rounds, replay, timeline
 
 MB = 10**6
 SLOW = Network("slow", bandwidth=1 * MB, latency=0.01)  # 1 MB/s, 10 ms: a message of 1 MB takes 1.01 s
@@ -24,6 +24,24 @@ def test_the_curve_interpolates_saturates_and_picks_the_accumulation_level_below
     assert CURVE.tokens_per_s(4, 2) == 2500 and CURVE.tokens_per_s(4, 16) == 2500  # level 2 is the largest below 16
     assert CURVE.tokens_per_s(4, 3) == 2500 and CURVE.tokens_per_s(1, 2) == 2500  # one point at level 2: flat there
     assert CURVE.largest_micro_batch == 4 and ThroughputCurve.flat(7.0).tokens_per_s(999, 9) == 7.0
+
+
+def test_a_step_is_repriced_in_the_micro_batches_the_curves_device_fits():
+    # the curve measured micro-batches 1 and 4 without accumulation: 8 sequences run as 4 x 2 (not the 2 x 4 a
+    # smaller machine ran), 6 as 1 x 6 (4 does not divide it), 3 as 1 x 3; a flat curve keeps the shape as run
+    assert [CURVE.device_shape(m, a) for m, a in ((2, 4), (4, 1), (2, 3), (3, 1), (1, 1))] == [
+        (4, 2), (4, 1), (1, 6), (1, 3), (1, 1)]
+    assert ThroughputCurve.flat(5.0).device_shape(2, 4) == (2, 4)
+    # replayed: one trainer, one node, 8000 tokens in steps of 2 x 4; as run, at level 2 (2500 tokens/s at its
+    # largest point): 3.2 s; in the device's shape 4 x 2, also level 2: 3.2 s; a curve with 8 sequences in one
+    # pass (8, 1, 4000) runs it as 8 x 1 at 4000 tokens/s: 2 s
+    work = [RoundWork(1, [TrainerRound(1, 8000.0, micro_batch=2, accumulation=4, nodes=(0,))])]
+    as_run = replay(work, SLOW, CURVE, MB)[0].now
+    assert as_run == pytest.approx(3.2)
+    assert replay(work, SLOW, CURVE, MB, device_shapes=True)[0].now == pytest.approx(3.2)
+    wide = ThroughputCurve(((1, 1, 1000.0), (8, 1, 4000.0), (2, 4, 1500.0)), "hand")
+    assert replay(work, SLOW, wide, MB)[0].now == pytest.approx(8000 / 1500)  # the CPU's 2 x 4, accumulated
+    assert replay(work, SLOW, wide, MB, device_shapes=True)[0].now == pytest.approx(2.0)
 
 
 def _round(clock, trainers, slowdown=None):

@@ -100,8 +100,9 @@ def network_report(results: dict[str, list[dict]], metric: str, args: Options, o
 
 def _throughput_words(throughput, args: Options) -> str:
     if isinstance(throughput, ThroughputCurve):
-        return (f"the throughput curve {args.throughput_curve} ({throughput.source}; each trainer's micro-batch and "
-                "accumulation as it ran them)")
+        return (f"the throughput curve {args.throughput_curve} ({throughput.source}; each trainer's step in the "
+                "micro-batches the curve's device fits: the largest it measured that divides the step, the rest "
+                "accumulated, not the micro-batches the runs' own machine allowed)")
     how = "given" if args.node_throughput else "measured: all runs, tokens / wall time"
     return f"{throughput:.4g} tokens/s per node ({how})"
 
@@ -162,7 +163,8 @@ def predict_on_networks(results: dict[str, list[dict]], metric: str, args: Optio
         curves = {}
         for name, rs in results.items():
             for r in rs:
-                times, compute = replay.timeline(r["rounds_work"], net, throughput, r["weight_bytes"])
+                times, compute = replay.timeline(r["rounds_work"], net, throughput, r["weight_bytes"],
+                                                 device_shapes=True)
                 curve = [{**p, "time": times[p["step"]]} for p in r["curve"] if p["step"] in times]
                 curve[-1]["compute"] = compute
                 curves.setdefault(name, []).append(curve)
