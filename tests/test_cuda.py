@@ -4,7 +4,7 @@ Run by `python -m benchmarks.gpu_check` (or `python -m pytest -m cuda tests` on 
 fp16 train with falling loss and track fp32, the fp16 scaler skips an overflowing step, compile matches
 eager, fused AdamW matches the reference AdamW, the batch-test statistics on the device equal the CPU
 ones, the CUDA max-batch probe stays within its budget and leaves no memory behind, and offloaded nodes give the
-resident run's numbers and leave the card while idle.
+resident run's numbers and leave the card while idle; stacked nodes make the sequential run's decisions.
 """
 
 import csv
@@ -223,3 +223,23 @@ def test_offloaded_nodes_on_the_gpu_give_the_same_run_and_leave_the_card(tmp_pat
     assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
     node._load_in()
     assert all(p.is_cuda for p in model.parameters())
+
+
+def test_stacked_nodes_on_the_gpu_make_the_sequential_runs_decisions(tmp_path, cache_dir):
+    """node_execution: stacked on one GPU (4 nodes, 2 trainers, fp32 without TF32): the sequential run's batch
+    decisions and merges, step losses within 1e-3 (cuBLAS's batched kernels sum in another order than its own
+    per-node ones)."""
+    def run(way):
+        return train(load_config(ROOT / "config.yaml", [*TINY, "devices=[cuda]", "nodes_per_gpu=4",
+                                                         f"cache_dir={cache_dir}", f"log_dir={tmp_path}",
+                                                         f"run_name={way}", f"node_execution={way}"]))[0]
+
+    sequential, stacked = run("sequential"), run("stacked")
+    for name in ("merge_events.csv", "training_log.csv"):
+        with (sequential / "model_training_report" / name).open() as a, \
+                (stacked / "model_training_report" / name).open() as b:
+            keys = ("outer_step", "trainer_id", "requested_batch", "next_requested_batch", "survivor", "merged")
+            assert [{k: r[k] for k in keys if k in r} for r in csv.DictReader(a)] == \
+                [{k: r[k] for k in keys if k in r} for r in csv.DictReader(b)]
+    assert step_losses(stacked) == pytest.approx(step_losses(sequential), rel=1e-3)
+
