@@ -98,3 +98,31 @@ def test_one_composition_root_builds_the_cluster():
                 makers.setdefault(part, set()).add(name)
     assert makers["ClockFeed"] == makers["RoundDriver"] == makers["ClusterState"] == {"cluster.build"}
     assert makers["InProcessBackend"] == makers["TorchrunBackend"] == {"cluster.build"}
+
+
+def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):
+    """benchmarks.walk's counter on two hand-made files: a.f calls b.g twice (a -> b, back to a, b again, back to
+    a): files a and b entered, 3 returns (2 into a, 1 into b); frames outside the root (here: none) pass through."""
+    import importlib.util
+    import sys
+
+    from benchmarks.walk import Walk
+
+    (tmp_path / "b.py").write_text("def g():\n    return 1\n")
+    (tmp_path / "a.py").write_text("import b\n\n\ndef f():\n    b.g()\n    b.g()\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        spec = importlib.util.spec_from_file_location("a", tmp_path / "a.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        walk = Walk(tmp_path)
+        sys.setprofile(walk)
+        try:
+            module.f()
+        finally:
+            sys.setprofile(None)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("b", None)
+    assert walk.seen == ["a.py", "b.py"] and dict(walk.returns) == {"a.py": 2, "b.py": 1}
+
