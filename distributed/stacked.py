@@ -191,7 +191,8 @@ class StackedGroup:
                            ) if self.masked else ids
         params = dict(zip(self.names, self.leaves))
         with self.precision.autocast(self.device):
-            losses = vmap(self._loss, in_dims=(0, 0, 0))(params, ids, labels)
+            # randomness: a model with dropout draws each node's masks apart (not as the sequential loop would)
+            losses = vmap(self._loss, in_dims=(0, 0, 0), randomness="different")(params, ids, labels)
         (losses * scale).sum().backward()  # node n's loss reaches only its row of the stack
         with torch.no_grad():
             grads = self.stack.view(self.stack.grad)
