@@ -23,11 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.tables import cell
 
-from benchmarks.tables import cell  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = {"libgomp_default": {"GOMP_SPINCOUNT": "300000"}, "ours": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 JOB = ["num_outer_steps=2", "clearml_mode=off", "save_weights_every=0"]

@@ -16,13 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from run_dir.run_config import load_run_config  # noqa: E402
-from utils.checkpoint import MANIFEST, expected_checkpoint_bytes  # noqa: E402
-from utils.errors import UserError, exit_code_of  # noqa: E402
+from run_dir.run_config import load_run_config
+from utils.checkpoint import MANIFEST, expected_checkpoint_bytes
+from utils.errors import UserError, exit_code_of
 
 
 def preset_parameters(name: str, vocab_size: int | None = None) -> int:

@@ -52,11 +52,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.tables import cell
 
-from benchmarks.tables import cell  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # run.py on a GPU: a tiny model, 4 trainers on 4 nodes of one GPU, merges every 2 steps, batches that grow
 # past the max batch of 2 (accumulation): every mechanism inside one short run

@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from algorithms.network import Network
 
-from algorithms.network import Network  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_WEIGHTS = 7_148_032  # microllama-tiny's fp32 weights (P), as in the benchmark runs
 SIZES = {"8 B (a scalar)": 8, "64 KB": 65_536, "1 MB": 1_000_000, "weights P (microllama-tiny)": TINY_WEIGHTS,

@@ -26,13 +26,11 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from algorithms.clock import ThroughputCurve
+from cluster.memory_plan import GiB, plan_for_config
+from utils.config import load_config
 
-from algorithms.clock import ThroughputCurve  # noqa: E402
-from cluster.memory_plan import GiB, plan_for_config  # noqa: E402
-from utils.config import load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = "configs/paper_microllama_c4.yaml"
 CURVE = "benchmarks/results/curves/h100_bf16_microllama-300m.json"

@@ -24,13 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from algorithms.network import PRESETS, parse_network
+from algorithms.outer_sync import OuterSync
+from algorithms.traffic import SyncCost, Traffic
 
-from algorithms.network import PRESETS, parse_network  # noqa: E402
-from algorithms.outer_sync import OuterSync  # noqa: E402
-from algorithms.traffic import SyncCost, Traffic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WEIGHT_BYTES = 7_148_032  # microllama-tiny's fp32 weights (P)
 SCHEMES = ("none", "bf16", "fp8", "int8", "topk")

@@ -20,16 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import distributed.node_round as node_round
+from algorithms.calc_batch import REFERENCE_WIRE, STATISTICS_WIRE, BatchTest, statistics_payload_bytes
+from algorithms.sketch import CountSketch, sketch_coefficients
+from utils.config import load_config
+from utils.errors import exit_code_of
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-
-import distributed.node_round as node_round  # noqa: E402
-from algorithms.calc_batch import REFERENCE_WIRE, STATISTICS_WIRE, BatchTest, statistics_payload_bytes  # noqa: E402
-from algorithms.sketch import CountSketch, sketch_coefficients  # noqa: E402
-from utils.config import load_config  # noqa: E402
-from utils.errors import exit_code_of  # noqa: E402
 
 # the default run, the harness's from-scratch and warm AdLoCo, and the paper's variant from scratch (nodes estimator)
 DEFAULT_CONFIGS = ["config.yaml", "configs/compare_cpu.yaml", "configs/compare_warm_cpu.yaml",

@@ -40,16 +40,15 @@ from pathlib import Path
 import psutil
 import torch
 
+from fabrics.corpus import load_corpus
+from fabrics.models import build_model, count_parameters
+from fabrics.precision import PRECISIONS, build_precision
+from node import Node, NodeJob
+from trainers import TRAINERS
+from utils.config import load_config
+from utils.model_state import float_state
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-from fabrics.corpus import load_corpus  # noqa: E402
-from fabrics.models import build_model, count_parameters  # noqa: E402
-from fabrics.precision import PRECISIONS, build_precision  # noqa: E402
-from node import Node, NodeJob  # noqa: E402
-from trainers import TRAINERS  # noqa: E402
-from utils.config import load_config  # noqa: E402
-from utils.model_state import float_state  # noqa: E402
 
 MiB = 2**20
 

@@ -126,3 +126,9 @@ def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):
         sys.modules.pop("b", None)
     assert walk.seen == ["a.py", "b.py"] and dict(walk.returns) == {"a.py": 2, "b.py": 1}
 
+
+def test_the_benchmarks_run_as_modules_without_patching_the_import_path():
+    """`python -m benchmarks.X` from the repository is the one way to run a benchmark: none edits sys.path."""
+    patched = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path" in p.read_text()]
+    assert patched == []
+

@@ -13,25 +13,21 @@ import signal
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
-
-from algorithms.clock import ThroughputCurve  # noqa: E402
-from benchmarks.compare import bundle  # noqa: E402
-from benchmarks.compare.options import Options, build_parser, cluster_overrides, made, parse_networks  # noqa: E402
-from benchmarks.compare.reader import (  # noqa: E402
+from algorithms.clock import ThroughputCurve
+from benchmarks.compare import bundle
+from benchmarks.compare.options import Options, build_parser, cluster_overrides, made, parse_networks
+from benchmarks.compare.reader import (
     first_reaching,
     ran_shapes,
     read_run,
     value_at,
     within_budget,
 )
-from benchmarks.compare.report import summarise, write_outputs  # noqa: E402
-from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_starts  # noqa: E402
-from benchmarks.compare.variants import (  # noqa: E402
+from benchmarks.compare.report import summarise, write_outputs
+from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_starts
+from benchmarks.compare.variants import (
     CLUSTER_VARIANTS,
     COMMUNICATION_VARIANTS,
     Variant,
@@ -40,9 +36,11 @@ from benchmarks.compare.variants import (  # noqa: E402
     select,
     variants,
 )
-from utils.config import load_config  # noqa: E402
-from utils.errors import Interrupted, UserError, raise_interrupted  # noqa: E402
-from utils.signals import honoured  # noqa: E402
+from utils.config import load_config
+from utils.errors import Interrupted, UserError, raise_interrupted
+from utils.signals import honoured
+
+ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["main", "build_parser", "cluster_overrides", "variants", "catalogue", "Variant", "COMMUNICATION_VARIANTS",
            "CLUSTER_VARIANTS", "read_run", "ran_shapes", "value_at", "first_reaching", "Options"]
