@@ -3,14 +3,14 @@
     python -m benchmarks.walk [--step 2] [--markdown FILE] [overrides ...]
 
 Runs the tiny default run (2 trainers on 2 nodes, a merge every 2 outer steps) in this process, with a
-`sys.setprofile` hook active from the start of outer step --step (ClusterController.run_outer_step) to the start of
-the next one (or the end): that step's round, outer steps, evaluation, batch tests, its merge, the logging and the
-bookkeeping after it. Counted over the repository's own Python files (torch, transformers and the standard library
-are not counted, their calls are passed through): on every call and return, the repository file now executing (the
-innermost repository frame); each change of that file is a move, into a file not seen before in the step
-(`files entered`) or back into one already left (`returns`). A file is one concern here, so a move between files is a
-conversation between concerns: issue 61 asks for at most 15 files and 40 returns (nanoGPT's step: 2 files, about 3
-returns; torchft's DiLoCo: 3-5 files, about 4).
+`sys.setprofile` hook counting from the start of outer step --step (ClusterController.run_outer_step) to the start
+of the next one (or the end), told apart by the hook itself (no engine code is patched): that step's round, outer
+steps, evaluation, batch tests, its merge, the logging and the bookkeeping after it. Counted over the repository's
+own Python files (torch, transformers and the standard library pass through): on every call and return, the
+repository file now executing (the innermost repository frame); each change of that file is a move, into a file not
+seen before in the step (`files entered`) or back into one already left (`returns`). A file is one concern here, so
+a move between files is a conversation between concerns: issue 61 asks for at most 15 files and 40 returns
+(nanoGPT's step: 2 files, about 3 returns; torchft's DiLoCo: 3-5 files, about 4).
 """
 
 from __future__ import annotations
@@ -60,28 +60,38 @@ class Walk:
         self.current = now
 
 
+class StepWalk(Walk):
+    """A Walk of one outer step: active from the call of ClusterController.run_outer_step(step) to the next call
+    of it (its frame's own arguments say which step; no engine code is patched)."""
+
+    def __init__(self, root: Path, step: int) -> None:
+        super().__init__(root)
+        self.step, self.active, self.done = step, False, False
+
+    def __call__(self, frame, event, arg) -> None:
+        if self.done:
+            return
+        if event == "call" and frame.f_code.co_name == "run_outer_step" and "outer_step" in frame.f_locals:
+            self.done = self.active  # the next step starts: the walk is over
+            self.active = frame.f_locals["outer_step"] == self.step
+        if self.active and not self.done:
+            super().__call__(frame, event, arg)
+
+
 def walk_step(step: int, overrides: list[str]) -> Walk:
     """The walk of outer step `step` of a run of the tiny config (plus overrides), in this process."""
     import tempfile
 
-    from cluster.controller import ClusterController
     from run import train
     from utils.config import load_config
 
-    walk = Walk(ROOT)
-    original = ClusterController.run_outer_step
-
-    def run_outer_step(self, outer_step: int):
-        sys.setprofile(walk if outer_step == step else None)
-        return original(self, outer_step)
-
-    ClusterController.run_outer_step = run_outer_step
+    walk = StepWalk(ROOT, step)
+    sys.setprofile(walk)
     try:
         with tempfile.TemporaryDirectory() as logs:
             train(load_config(ROOT / "config.yaml", [*TINY, f"log_dir={logs}", *overrides]))
     finally:
         sys.setprofile(None)
-        ClusterController.run_outer_step = original
     return walk
 
 
