@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from algorithms.calc_batch import REFERENCE_WIRE, StatisticsWire, statistics_payload_bytes
 from algorithms.outer_sync import OuterSync, wire_size
 from algorithms.streaming import StreamingPlan
@@ -24,11 +22,10 @@ class WireSizes:
     gradient_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce per node (fp32 gradients and a count)
 
     @classmethod
-    def of(cls, initial: dict[str, torch.Tensor], plan: CommPlan, gradient_numel: int = 0) -> WireSizes:
-        """The sizes of `plan`'s payloads for a model whose fp32 state is `initial` (gradient_numel: the trainable
-        parameters, when gradients cross every inner step)."""
-        sync, param_bytes = plan.outer_sync, sum(v.numel() * 4 for v in initial.values())
-        numels = {k: v.numel() for k, v in initial.items()}
+    def of(cls, numels: dict[str, int], plan: CommPlan, gradient_numel: int = 0) -> WireSizes:
+        """The sizes of `plan`'s payloads for a model whose fp32 tensors have these sizes (gradient_numel: the
+        trainable parameters, when gradients cross every inner step)."""
+        sync, param_bytes = plan.outer_sync, sum(numels.values()) * 4
         fragments = () if plan.streaming is None else tuple(
             wire_size(sync, sum(numels[n] for n in names)) * (4 if sync.exact else 1)
             for names in plan.streaming.fragments)

@@ -32,14 +32,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from algorithms.calc_batch import BATCH_TESTS, STATISTICS_WIRE, statistics_payload_bytes
 from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.network import INSTANT, Network
-from algorithms.outer_sync import OuterSync
 from algorithms.traffic import SyncCost, ring_allreduce_bytes
+from run_dir.run_config import load_run_config
 from training_logs.records import MergeEvent, TrainerRow, read_records, value_of
+from utils import run_plan
+from utils.config import Config
 
 
 @dataclass
@@ -123,23 +122,12 @@ def timeline(rounds: list[RoundWork], net: Network, node_throughput: float | Thr
 
 
 # ---------------------------------------------------------------------------------------------------------
-def _statistics_bytes(run_config: dict, weight_bytes: int, statistics: bool) -> int:
+def _statistics_bytes(cfg: Config | None, weight_bytes: int, statistics: bool) -> int:
     """Bytes per node of the batch test's statistics reductions (distributed/torchrun_backend.py), 0 if none travel
     or the batch schedule ignores them (those sent for the log only are charged to no method)."""
-    test = BATCH_TESTS.get(run_config.get("sampling_method", ""))
-    sent = test is not None and test.uses_statistics
-    if not statistics or not sent:
+    if cfg is None or not statistics or not run_plan.batch_test_of(cfg).uses_statistics:
         return 0
-    within_node = run_config.get("variance_estimator", "micro_batches") == "micro_batches"
-    mode = run_config.get("statistics_comm", "fp64")
-    numel = int(run_config.get("statistics_sketch_dim", 16384)) if mode == "sketch" else weight_bytes // 4
-    return statistics_payload_bytes(numel, within_node, STATISTICS_WIRE[mode])
-
-
-def _sync_bytes(run_config: dict, weight_bytes: int) -> int:
-    """Each node's encoded pseudo-gradient under outer_compression; 0 for the fp32 all-reduce."""
-    sync = OuterSync(run_config.get("outer_compression", "none"), topk_fraction=run_config.get("topk_fraction", 0.02))
-    return 0 if sync.exact else sync.payload_bytes(weight_bytes // 4)
+    return run_plan.statistics_bytes(cfg, weight_bytes)
 
 
 def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None = None
@@ -157,7 +145,8 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
     rows = read_records(report / "training_log.csv", TrainerRow)
     merges = read_records(report / "merge_events.csv", MergeEvent)
     summary = json.loads((run_dir / "summary.json").read_text())
-    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    # the run's config in today's meaning (run_dir's migrations), read by the one derivation of its plan
+    cfg = load_run_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
     by_step: dict[int, list[TrainerRow]] = {}
     for r in rows:
         by_step.setdefault(r.outer_step, []).append(r)
@@ -167,11 +156,12 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
     run_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     weight_bytes = model_bytes or run_bytes
     scale = weight_bytes / run_bytes if run_bytes else 1.0  # 1 unless another model size is priced
-    stats = _statistics_bytes(run_config, weight_bytes, statistics)
-    sync_bytes = _sync_bytes(run_config, weight_bytes)
+    stats = _statistics_bytes(cfg, weight_bytes, statistics)
+    sync_bytes = run_plan.sync_payload_bytes(cfg, weight_bytes) if cfg is not None else 0
     # every round of the run sent alike (CommPlan.sync_cost); runs made before the ring all-gathered their payloads
     sync = SyncCost(sync_bytes, tuple(round(b * scale) for b in summary.get("fragment_bytes") or ()),
-                    int(run_config.get("sync_delay", 0)), int(run_config.get("num_inner_steps", 1)), stats,
+                    run_plan.overlap_steps(cfg) if cfg is not None else 0,
+                    cfg.num_inner_steps if cfg is not None else 1, stats,
                     summary.get("compressed_sync") == "ring", round(int(summary.get("gradient_bytes") or 0) * scale))
     tokens_before = {r.trainer_id: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0

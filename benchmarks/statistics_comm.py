@@ -23,6 +23,7 @@ from pathlib import Path
 import distributed.node_round as node_round
 from algorithms.calc_batch import REFERENCE_WIRE, STATISTICS_WIRE, BatchTest, statistics_payload_bytes
 from algorithms.sketch import CountSketch, sketch_coefficients
+from utils import run_plan
 from utils.config import load_config
 from utils.errors import exit_code_of
 
@@ -74,7 +75,7 @@ def shadow_run(config: str, overrides: list[str], dims: list[int]) -> dict:
             _, summary = train(cfg)
     finally:
         node_round.trainer_statistics, BatchTest.__call__ = exact_statistics, exact_call
-    within_node = cfg.variance_estimator == "micro_batches"
+    within_node = run_plan.within_node(cfg)
     weights = summary["weight_bytes"]
     trainable = weights // 4  # float state ~ trainable parameters for these models
     out = {"config": config, "overrides": overrides, "weight_bytes": weights, "final_metric": summary["final_metric"],

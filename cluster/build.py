@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 
 from algorithms.buckets import micro_batch_buckets
-from algorithms.calc_batch import STATISTICS_WIRE, build_batch_test
 from algorithms.clock import Clock, NodeSchedule, ThroughputCurve
-from algorithms.comm_plan import CommPlan, WireSizes, gradient_samples
+from algorithms.comm_plan import CommPlan
 from algorithms.network import describe, parse_network
-from algorithms.outer_sync import OuterSync
 from algorithms.policies import build_merge_policy
 from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.streaming import StreamingPlan
@@ -45,6 +43,7 @@ from fabrics.models import reinit_output_layers, replicate
 from fabrics.precision import build_precision
 from node import Node
 from trainers import TRAINERS, Trainer
+from utils import run_plan
 from utils.checkpoint import Checkpoint
 from utils.config import Config
 from utils.errors import ConfigError, UserError
@@ -77,17 +76,10 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     sketch and the clock's curve come from it, so the memory probe does not run again)."""
     algo = TRAINERS[cfg.distributed_algo]
     make_optimizer = algo.inner_optimizer_factory(cfg)
-    policies = Policies(
-        build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
-                         max_batch=cfg.max_requested_batch, start=cfg.initial_batch_size,
-                         rampup_tokens=cfg.rampup_tokens or cfg.max_tokens),
-        build_switch_mode(cfg.switch_mode), build_merge_policy(cfg.merging_policy))
-    # micro_batches: each node's chunks form their own group, so drift between nodes is not noise
-    within_node = cfg.variance_estimator == "micro_batches"
+    policies = Policies(run_plan.batch_test_of(cfg), build_switch_mode(cfg.switch_mode),
+                        build_merge_policy(cfg.merging_policy))
     precision = build_precision(cfg.precision)
-    # gradient samples: for the batch test, or only for the log (log_batch_statistics); else none at all
-    grad_chunks = gradient_samples(policies.batch_test.uses_statistics or cfg.log_batch_statistics, within_node,
-                                   cfg.variance_micro_batches)
+    grad_chunks = run_plan.grad_chunks(cfg)  # gradient samples: for the batch test or the log; else none at all
     resume_state = resume.resume_state() if resume is not None else None
     nodes = build_nodes(cfg, model, data, make_optimizer, precision, stop_event, resume_state, dist_env)
     initial = float_state(model)
@@ -107,8 +99,9 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     sample_numel = sketch.dim if sketch is not None else trainable  # length of a gradient sample
     # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel, and
     # Streaming DiLoCo's fragments synced at staggered inner steps, overlapped
-    plan = build_comm_plan(cfg, initial, sample_numel, grad_chunks, policies.batch_test.uses_statistics,
-                           trainable if algo.syncs_gradients else 0)
+    plan = run_plan.comm_plan(cfg, {k: v.numel() for k, v in initial.items()}, sample_numel,
+                              policies.batch_test.uses_statistics, trainable if algo.syncs_gradients else 0,
+                              build_streaming(cfg, initial))
     state = ClusterState(nodes, trainers, plan.streams, cuda=any(d.startswith("cuda") for d in cfg.device_names))
     backend = build_backend(cfg, nodes, model, master_device, plan, dist_env)
     # the simulated clock (docs/clock.md): it observes the rounds, never changes their numbers
@@ -133,9 +126,9 @@ def build_sketch(cfg: Config, nodes: list[Node], grad_chunks: int, trainable: in
                  resume_state: dict | None) -> CountSketch | None:
     """statistics_comm sketch: the count sketch every node projects its gradient samples with."""
     sketch = None
-    if cfg.statistics_comm == "sketch" and grad_chunks:
+    if run_plan.sketch_dim(cfg) and grad_chunks:
         saved = (resume_state or {}).get("sketch")  # the run's own sketch, whatever derives it today
-        sketch = CountSketch(cfg.statistics_sketch_dim, saved["coefficients"] if saved
+        sketch = CountSketch(run_plan.sketch_dim(cfg), saved["coefficients"] if saved
                              else sketch_coefficients(cfg.training_seed * 1_000_003 + 991))
     for node in nodes:
         node.sketch = sketch
@@ -237,16 +230,14 @@ def warm_up_compiled(nodes: list[Node], data: CorpusData) -> dict:
 
 
 def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingPlan | None:
-    """Streaming DiLoCo (sync_fragments, sync_delay, fragment_alpha): the fragments and their schedule; None
-    without it."""
-    if not cfg.streams:
-        return None
-    numels = {k: v.numel() for k, v in initial.items()}
+    """Streaming DiLoCo (run_plan.streaming): the fragments and their schedule, checked against the model's tied
+    weights; None without it."""
     try:
-        plan = StreamingPlan.build(list(initial), numels, cfg.num_inner_steps, cfg.sync_fragments, cfg.sync_delay,
-                                   cfg.fragment_alpha)
+        plan = run_plan.streaming(cfg, {k: v.numel() for k, v in initial.items()})
     except ValueError as exc:
-        raise ConfigError("sync_fragments", f"{cfg.sync_fragments}: {exc}") from None
+        raise ConfigError("sync_fragments", f"{run_plan.fragments(cfg)}: {exc}") from None
+    if plan is None:
+        return None
     shared = {}
     for f, names in enumerate(plan.fragments):
         for name in names:
@@ -258,19 +249,6 @@ def build_streaming(cfg: Config, initial: dict[str, torch.Tensor]) -> StreamingP
              len(plan.fragments), "/".join(str(len(f)) for f in plan.fragments),
              ", ".join(f"{'land' if e.lands else 'send'} {e.fragment}@{e.step}" for e in plan.events))
     return plan
-
-
-def build_comm_plan(cfg: Config, initial: dict[str, torch.Tensor], sample_numel: int, grad_chunks: int,
-                    statistics_decide: bool, gradient_numel: int = 0) -> CommPlan:
-    """How this run's rounds travel (docs/communication.md): the outer sync, merges and batch statistics' wires,
-    the Streaming DiLoCo plan, and what each payload weighs."""
-    plan = CommPlan(OuterSync(cfg.outer_compression, cfg.error_feedback, cfg.topk_fraction),
-                    OuterSync(cfg.merge_compression), STATISTICS_WIRE[cfg.statistics_comm],
-                    build_streaming(cfg, initial), within_node=cfg.variance_estimator == "micro_batches",
-                    by_tokens=cfg.inner_steps_by_speed, sample_numel=sample_numel, grad_chunks=grad_chunks,
-                    statistics_decide=statistics_decide, inner_steps=cfg.num_inner_steps,
-                    overlap_steps=cfg.sync_delay)
-    return dataclasses.replace(plan, sizes=WireSizes.of(initial, plan, gradient_numel))
 
 
 def build_backend(cfg: Config, nodes: list[Node], model: torch.nn.Module, master_device: str, plan: CommPlan,

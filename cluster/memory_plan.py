@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from algorithms.comm_plan import gradient_samples
 from cluster.max_batch_calculator import MiB, default_device_memory_mb, saved_bytes
 from cluster.placement import card_of, computing_per_device, computing_together, master_device_of
+from utils import run_plan
 from utils.config import Config
 from utils.errors import UserError
 
@@ -206,7 +206,7 @@ def plan_memory(cfg: Config, sizes: ModelSizes, micro_batch: int, threads: bool,
     # stays on its device for the whole round, so every node counts as computing at once for what it holds
     whole_round = synchronous or cfg.streams
     state_bytes = sizes.weight_bytes + sizes.optimizer_bytes
-    residual = sizes.gradient_bytes if cfg.outer_compression != "none" and cfg.error_feedback else 0
+    residual = sizes.gradient_bytes if run_plan.keeps_residual(cfg) else 0
     master = card_of(master_device) if master_device.startswith("cuda") else "cpu"
     masters = {"masters": cfg.num_init_trainers * sizes.weight_bytes,
                "outer_optimizer": cfg.num_init_trainers * sizes.gradient_bytes if cfg.outer_momentum else 0}
@@ -239,27 +239,13 @@ def plan_memory(cfg: Config, sizes: ModelSizes, micro_batch: int, threads: bool,
     return MemoryPlan(plans, host, micro_batch)
 
 
-def statistics_sample_bytes(cfg: Config, trainable: int) -> int:
-    """What one node holds of gradient samples until its trainer's statistics are taken: grad chunks x a sample
-    (fp32 gradients, or the fp64 sketch)."""
-    from algorithms.calc_batch import build_batch_test
-
-    test = build_batch_test(cfg.sampling_method, eta=cfg.ETA, vartheta=cfg.vartheta, nu=cfg.nu,
-                            max_batch=cfg.max_requested_batch, start=cfg.initial_batch_size,
-                            rampup_tokens=cfg.rampup_tokens or cfg.max_tokens)
-    chunks = gradient_samples(test.uses_statistics or cfg.log_batch_statistics,
-                              cfg.variance_estimator == "micro_batches", cfg.variance_micro_batches)
-    sample = cfg.statistics_sketch_dim * 8 if cfg.statistics_comm == "sketch" else trainable * 4
-    return chunks * sample
-
-
 def _plan(cfg: Config, meta: torch.nn.Module, micro_batch: int, master_device: str,
           capacity_gb: float | None) -> MemoryPlan:
     from trainers import TRAINERS
 
     sizes = model_sizes(meta, TRAINERS[cfg.distributed_algo].inner_optimizer_factory(cfg), cfg.seq_len, cfg.precision)
     return plan_memory(cfg, sizes, micro_batch, computing_together(cfg), master_device, capacity_gb,
-                       statistics_sample_bytes(cfg, sizes.trainable))
+                       run_plan.sample_bytes(cfg, sizes.trainable))
 
 
 def plan_for_config(cfg: Config, micro_batch: int | None = None, capacity_gb: float | None = None) -> MemoryPlan:

@@ -132,3 +132,33 @@ def test_the_benchmarks_run_as_modules_without_patching_the_import_path():
     patched = [str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path" in p.read_text()]
     assert patched == []
 
+
+# the communication and statistics keys: read by utils/run_plan.py alone (the one derivation of a run's plan), the
+# config's own modules (schema, checks, docs) and run_dir's migrations of old run directories
+PLAN_KEYS = {"outer_compression", "error_feedback", "topk_fraction", "merge_compression", "statistics_comm",
+             "statistics_sketch_dim", "variance_estimator", "variance_micro_batches", "log_batch_statistics",
+             "sync_fragments", "sync_delay", "fragment_alpha", "fragment_alpha_weighs"}
+PLAN_READERS = {"utils/run_plan.py", "utils/config.py", "utils/config_schema.py", "utils/config_rules.py",
+                "utils/config_docs.py", "run_dir/run_config.py"}
+
+
+def test_no_communication_or_statistics_key_is_read_outside_the_one_derivation():
+    """cfg.KEY (a config by any of its usual names) or x.get("KEY") / x["KEY"] (a run's config as a mapping), for the
+    keys above, anywhere but in PLAN_READERS."""
+    configs = {"cfg", "config", "self.cfg", "run_config", "base", "wanted_config", "had_config"}
+    found = []
+    for path in sorted(p for package in (*PACKAGES, ) for p in (ROOT / package).rglob("*.py")) + [
+            ROOT / f"{name}.py" for name in TOP]:
+        where = str(path.relative_to(ROOT))
+        if where in PLAN_READERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PLAN_KEYS and ast.unparse(node.value) in configs:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+            key = (node.args[0] if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "get" and node.args else node.slice if isinstance(node, ast.Subscript)
+                   else None)
+            if isinstance(key, ast.Constant) and key.value in PLAN_KEYS:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+

@@ -58,7 +58,7 @@ def test_the_statistics_reserved_are_the_samples_the_cluster_takes_by_hand():
     """One rule for a node's gradient samples (algorithms.comm_plan.gradient_samples), read by build_cluster's plan
     and by the memory plan: fp32 samples of every trainable parameter, or the fp64 sketch; none without statistics."""
     from algorithms.comm_plan import gradient_samples
-    from cluster.memory_plan import statistics_sample_bytes
+    from utils.run_plan import sample_bytes as statistics_sample_bytes
 
     assert [gradient_samples(False, True, 4), gradient_samples(True, True, 4), gradient_samples(True, False, 4)] == [
         0, 4, 1]

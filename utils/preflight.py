@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from utils import run_plan
 from utils.config import Config
 from utils.errors import ConfigError, DataError, UserError
 
@@ -51,8 +52,9 @@ def check_model(cfg: Config) -> None:
     if isinstance(limit, int) and cfg.seq_len > limit:
         raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
     layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
-    if isinstance(layers, int) and cfg.sync_fragments > layers:  # the real model is checked again when built
-        raise ConfigError("sync_fragments", f"{cfg.sync_fragments} fragments, but model '{name}' has {layers} layers: "
+    fragments = run_plan.fragments(cfg)
+    if isinstance(layers, int) and fragments > layers:  # the real model is checked again when built
+        raise ConfigError("sync_fragments", f"{fragments} fragments, but model '{name}' has {layers} layers: "
                           "at most one fragment per layer")
 
 
@@ -110,9 +112,10 @@ def _free_bytes(device: str) -> int:
 def check_statistics_memory(cfg: Config) -> None:
     """statistics_comm sketch: the nodes' sketches must fit their devices, or every round (and every resume) would
     fail allocating them: refused now, before any work."""
-    if cfg.statistics_comm != "sketch":
+    dim = run_plan.sketch_dim(cfg)
+    if not dim:
         return
-    per_node = SKETCH_BYTES_PER_DIM * cfg.statistics_sketch_dim
+    per_node = SKETCH_BYTES_PER_DIM * dim
     nodes_on: dict[str, int] = {}
     for device in cfg.device_names:
         where = "cpu" if device == "cpu" else (device if ":" in device else "cuda:0")
@@ -120,7 +123,7 @@ def check_statistics_memory(cfg: Config) -> None:
     for device, nodes in nodes_on.items():
         need, free = per_node * nodes, _free_bytes(device)
         if need > free:
-            raise ConfigError("statistics_sketch_dim", f"{cfg.statistics_sketch_dim}: each node's sketch of its "
+            raise ConfigError("statistics_sketch_dim", f"{dim}: each node's sketch of its "
                               f"gradient samples needs {per_node / 2**30:.3g} GiB, {need / 2**30:.3g} GiB for the "
                               f"{nodes} nodes on {device}, which has {free / 2**30:.3g} GiB free; a sketch is meant "
                               "to be small (default 16384, relative error about sqrt(2/k))")
