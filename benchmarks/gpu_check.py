@@ -23,7 +23,7 @@ DIR/gpu_check.md after every step (and printed at the end):
   stacked      benchmarks.stacked: 16 microllama-tiny nodes at micro-batch 1, and the paper's 4 microllama-300m
                nodes at its starting batch 1 (bf16, seq_len 512), stacked against sequential: tokens/s, peak memory
   paper        the paper config (the 4-node reading, fp16, synced evaluations every 10 steps), 2 outer steps
-  (the targets' steps run first, in about 6 minutes; run_*, torchrun* and curves after them)
+  (the targets' steps run first, in about 7 minutes; run_*, torchrun* and curves after them)
 
 Targets (checked, and reported as met or not): the engine's node loop >= 0.95x the strong plain loop in fp32, bf16
 and bf16 + compile, 300M MFU >= 40% in bf16 + compile at 16k tokens a step, run.py end to end >= 0.85x the node
@@ -401,12 +401,13 @@ def write_report(result: dict, out: Path) -> tuple[Path, Path]:
     return paths
 
 
-# the targets' steps first (about 6 minutes on the H100 of 2026-11-26), then the rest while the budget lasts
+# the targets' steps first (about 6 minutes on the H100 of 2026-11-26, and the stacked step's minute), then the rest
+# while the budget lasts
 STEPS = [("cuda_tests", "pytest -m cuda (tests/test_cuda.py): no sync in an inner step, no recompile, TF32", 100),
          ("system", "benchmarks.system, microllama-300m, 16k tokens a step: engine vs strong plain loop, MFU", 100),
          ("memory", "the paper readings' first rounds: peak against the memory plan, offloaded tokens/s", 100),
-         ("stacked", "benchmarks.stacked: 16 tiny nodes, and the paper's 4 at batch 1, stacked vs sequential", 60),
          ("paper", "the paper config (4 nodes, fp16) for 2 outer steps of 50 inner steps", 60),
+         ("stacked", "benchmarks.stacked: 16 tiny nodes, and the paper's 4 at batch 1, stacked vs sequential", 60),
          ("run_fp32", "run.py on cuda, fp32", 30), ("run_bf16", "run.py on cuda, bf16 autocast", 30),
          ("run_threads", "run.py, 4 nodes as threads on one GPU", 30),
          ("torchrun", "torchrun, 2 processes on one GPU, vs the simulated cluster", 60),

@@ -100,7 +100,7 @@ def measure(procs: list[int], repeats: int, tmp: Path) -> dict[int, dict]:
     for n in procs:
         result = tmp / f"ring_{n}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-               str(Path(__file__).resolve()), "--worker", str(result), "--repeats", str(repeats)]
+               "-m", "benchmarks.ring_scaling", "--worker", str(result), "--repeats", str(repeats)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         if proc.returncode != 0:

@@ -183,8 +183,9 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
                 max_batch = 0  # probed by its own process, shared below
             else:
                 # CUDA: once per card and memory_mb (a device probed after others on its card would count their
-                # replicas against itself); CPU: once per simulated device
-                same = (card_of(device), spec.memory_mb) if device.startswith("cuda") else (key,)
+                # replicas against itself); CPU: once per budget (simulated devices of one memory_mb share its answer:
+                # the probe reads the budget, the model and the nodes per device, the same for each)
+                same = (card_of(device), spec.memory_mb) if device.startswith("cuda") else ("cpu", spec.memory_mb)
                 if same not in probed:
                     probed[same] = _probe(cfg, model, make_optimizer, device, key, spec, data)
                 max_batch = probed[same]

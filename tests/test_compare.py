@@ -309,7 +309,7 @@ def test_warm_start_workflow_pretrains_once_and_starts_every_variant_from_it(tmp
     rc = compare_main(["--config", str(ROOT / "config.yaml"), "--seeds", "2", "--max_tokens", "2000",
                        "--pretrain_config", str(ROOT / "config.yaml"), "--pretrain_starts", "2",
                        "--variants", "adloco,diloco_b2",
-                       *[f"--pretrain_set={o}" for o in common], "--pretrain_set=num_outer_steps=3",
+                       *[f"--pretrain_set={o}" for o in common], "--pretrain_set=num_outer_steps=1",
                        "--pretrain_set=num_init_trainers=1", "--pretrain_set=merge_frequency=0",
                        "--out", str(out), *phase2, "merge_frequency=1"])
     assert rc == 0

@@ -149,7 +149,7 @@ def test_a_batch_test_capped_by_max_requested_batch_says_so(tiny_config, tmp_pat
 
 PAPER_ON_CPU = ["model_config.name=microllama-tiny", "model_config.pretrained=false", "dataset=embedded",
                 "embedded_sources=[tiny]", "hub_downloads=false", "tokenizer=bpe", "tokenizer_vocab_size=512",
-                "seq_len=64", "val_size=8", "num_outer_steps=1", "num_inner_steps=20", "clearml_mode=off"]
+                "seq_len=64", "val_size=8", "num_outer_steps=1", "num_inner_steps=12", "clearml_mode=off"]
 
 
 @pytest.mark.parametrize("reading, devices, nodes_per_trainer", [
@@ -188,7 +188,7 @@ def test_both_readings_of_the_papers_cluster_run_their_first_round_on_cpu(tmp_pa
         assert all(r["next_requested_batch"] == "1" for r in first) and summary["statistics_bytes"] == 0
     log = (run_dir / "training_log.log").read_text()
     assert "output layer lm_head re-initialized per trainer" in log and "each trainer has its own output layer" in log
-    # the paper's cadence: each trainer's first node evaluated at inner step 10 of 20, on the tokens seen by then
+    # the paper's cadence: each trainer's synced model evaluated at inner step 10 of 12, on the tokens seen by then
     with (report / "inner_eval.csv").open() as f:
         inner = list(csv.DictReader(f))
     assert [(r["trainer_id"], r["inner_step"]) for r in inner] == [(str(t), "10") for t in range(4)]

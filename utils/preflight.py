@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from utils import run_plan
 from utils.config import Config
 from utils.errors import ConfigError, DataError, UserError
 
@@ -52,6 +51,8 @@ def check_model(cfg: Config) -> None:
     if isinstance(limit, int) and cfg.seq_len > limit:
         raise ConfigError("seq_len", f"{cfg.seq_len} is above the {limit} positions of model '{name}'")
     layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    from utils import run_plan  # here, not at the top: run.py reads this module before torch may load (utils/openmp)
+
     fragments = run_plan.fragments(cfg)
     if isinstance(layers, int) and fragments > layers:  # the real model is checked again when built
         raise ConfigError("sync_fragments", f"{fragments} fragments, but model '{name}' has {layers} layers: "
@@ -112,6 +113,8 @@ def _free_bytes(device: str) -> int:
 def check_statistics_memory(cfg: Config) -> None:
     """statistics_comm sketch: the nodes' sketches must fit their devices, or every round (and every resume) would
     fail allocating them: refused now, before any work."""
+    from utils import run_plan  # here, not at the top: run.py reads this module before torch may load (utils/openmp)
+
     dim = run_plan.sketch_dim(cfg)
     if not dim:
         return
