@@ -178,13 +178,14 @@ def _rows(run_dir, name):
 
 
 def _agree(rows_a, rows_b, exact, close):
-    """The same rows: the columns in `exact` equal, those in `close` within 1e-4 relative (a round's differences,
-    within 1e-5 by hand above, compound over a run's rounds)."""
+    """The same rows: the columns in `exact` equal, those in `close` within 1e-5 relative in the first round and
+    1e-4 after it (a round's differences compound over a run's rounds)."""
     assert len(rows_a) == len(rows_b)
     for ra, rb in zip(rows_a, rows_b):
         assert {k: ra[k] for k in exact} == {k: rb[k] for k in exact}
+        rel = 1e-5 if ra.get("outer_step") == "1" else 1e-4
         for k in close:
-            assert ra[k] == rb[k] or float(rb[k]) == pytest.approx(float(ra[k]), rel=1e-4), k
+            assert ra[k] == rb[k] or float(rb[k]) == pytest.approx(float(ra[k]), rel=rel), k
 
 
 DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_batch", "accumulation_steps",
