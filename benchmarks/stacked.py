@@ -18,15 +18,13 @@ import argparse
 import copy
 import json
 import platform
-import statistics
-import time
 from datetime import datetime
 from pathlib import Path
 
 import psutil
 import torch
 
-from benchmarks.system import sync, table
+from benchmarks.system import alternated_medians, sync, table
 from cluster.memory_plan import plan_of_run
 from distributed.stacked import StackedGroup
 from fabrics.corpus import load_corpus
@@ -81,16 +79,9 @@ def measure(cfg, model, data, n: int, batch: int, steps: int, repeats: int, devi
         run()
         sync(device)
         peaks[name] = torch.cuda.max_memory_allocated(device) / MiB if device.startswith("cuda") else None
-    times = {k: [] for k in ways}
-    for _ in range(repeats):  # alternated, so drifts of the machine hit both alike
-        for name, run in ways.items():
-            sync(device)
-            t = time.perf_counter()
-            run()
-            sync(device)
-            times[name].append(time.perf_counter() - t)
+    times = alternated_medians(ways, repeats, device)
     tokens = sum(int(data.train.tokens_per_sequence[j.sample_indices.reshape(-1)].sum()) for j in sequential[1])
-    seq_s, stk_s = statistics.median(times["sequential"]), statistics.median(times["stacked"])
+    seq_s, stk_s = times["sequential"], times["stacked"]
     return {"nodes": n, "batch": batch, "steps": steps, "tokens": tokens, "sequential_s": seq_s, "stacked_s": stk_s,
             "sequential_tokens_per_s": tokens / seq_s, "stacked_tokens_per_s": tokens / stk_s,
             "speedup": seq_s / stk_s, "sequential_peak_mib": peaks["sequential"], "stacked_peak_mib": peaks["stacked"]}

@@ -64,6 +64,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def alternated_medians(ways: dict, repeats: int, device: str) -> dict[str, float]:
+    """Each way's median seconds over `repeats`, the ways alternated so that drifts of the machine hit every way
+    alike (warm-ups are the caller's)."""
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(repeats):
+        for k, run in ways.items():
+            sync(device)
+            t = time.perf_counter()
+            run()
+            sync(device)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def textbook_loop(model, forward, data, indices, cfg, device: str, precision, scaler) -> None:
     """The textbook (mixed-precision) PyTorch loop over the same batches: each batch gathered and copied in the
     step, its attention mask passed, the optimizer made in the call. Kept beside the strong loop, so that what each
@@ -166,16 +180,9 @@ def bench_inner(cfg, model, data, batch: int, steps: int, repeats: int, device: 
     }
     for run in loops.values():  # warm-up (and compilation) outside the timings
         run()
-    times = {k: [] for k in loops}
-    for _ in range(repeats):  # alternate, so drifts of the machine hit every loop alike
-        for k, run in loops.items():
-            sync(device)
-            t = time.perf_counter()
-            run()
-            sync(device)
-            times[k].append(time.perf_counter() - t)
+    times = alternated_medians(loops, repeats, device)
     tokens = int(data.train.tokens_per_sequence[indices.reshape(-1)].sum())
-    e, p, tb = (statistics.median(times[k]) for k in ("engine", "plain", "textbook"))
+    e, p, tb = (times[k] for k in ("engine", "plain", "textbook"))
     return {"engine_s": e, "plain_s": p, "textbook_s": tb, "ratio": e / p, "tokens": tokens}
 
 
