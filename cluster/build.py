@@ -79,7 +79,7 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     policies = Policies(run_plan.batch_test_of(cfg), build_switch_mode(cfg.switch_mode),
                         build_merge_policy(cfg.merging_policy))
     precision = build_precision(cfg.precision)
-    grad_chunks = run_plan.grad_chunks(cfg)  # gradient samples: for the batch test or the log; else none at all
+    grad_chunks = run_plan.grad_chunks(cfg, policies.batch_test)  # for the batch test or the log; else none
     resume_state = resume.resume_state() if resume is not None else None
     nodes = build_nodes(cfg, model, data, make_optimizer, precision, stop_event, resume_state, dist_env)
     initial = float_state(model)
@@ -99,9 +99,8 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     sample_numel = sketch.dim if sketch is not None else trainable  # length of a gradient sample
     # communication (docs/communication.md): how the outer sync, merges and the batch statistics travel, and
     # Streaming DiLoCo's fragments synced at staggered inner steps, overlapped
-    plan = run_plan.comm_plan(cfg, {k: v.numel() for k, v in initial.items()}, sample_numel,
-                              policies.batch_test.uses_statistics, trainable if algo.syncs_gradients else 0,
-                              build_streaming(cfg, initial))
+    plan = run_plan.comm_plan(cfg, {k: v.numel() for k, v in initial.items()}, sample_numel, policies.batch_test,
+                              trainable if algo.syncs_gradients else 0, build_streaming(cfg, initial))
     state = ClusterState(nodes, trainers, plan.streams, cuda=any(d.startswith("cuda") for d in cfg.device_names))
     backend = build_backend(cfg, nodes, model, master_device, plan, dist_env)
     # the simulated clock (docs/clock.md): it observes the rounds, never changes their numbers

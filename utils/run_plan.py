@@ -32,10 +32,11 @@ def within_node(cfg: Config) -> bool:
     return cfg.variance_estimator == "micro_batches"
 
 
-def grad_chunks(cfg: Config) -> int:
-    """Gradient samples each node takes per round: for the batch test, or only for the log
-    (log_batch_statistics); else none."""
-    return gradient_samples(batch_test_of(cfg).uses_statistics or cfg.log_batch_statistics, within_node(cfg),
+def grad_chunks(cfg: Config, batch_test=None) -> int:
+    """Gradient samples each node takes per round: for the batch test (batch_test_of's, or the one already built),
+    or only for the log (log_batch_statistics); else none."""
+    test = batch_test if batch_test is not None else batch_test_of(cfg)
+    return gradient_samples(test.uses_statistics or cfg.log_batch_statistics, within_node(cfg),
                             cfg.variance_micro_batches)
 
 
@@ -86,15 +87,17 @@ def streaming(cfg: Config, numels: dict[str, int]) -> StreamingPlan | None:
                                cfg.fragment_alpha)
 
 
-def comm_plan(cfg: Config, numels: dict[str, int], sample_length: int, statistics_decide: bool,
-              gradient_numel: int = 0, stream: StreamingPlan | None = None) -> CommPlan:
+def comm_plan(cfg: Config, numels: dict[str, int], sample_length: int, batch_test, gradient_numel: int = 0,
+              stream: StreamingPlan | None = None) -> CommPlan:
     """How the run's rounds travel (docs/communication.md): the outer sync, merges and batch statistics' wires, the
     Streaming DiLoCo plan (`stream`, from `streaming`), and what each payload weighs for a model whose fp32
-    tensors have these sizes."""
+    tensors have these sizes. batch_test: the run's (batch_test_of), whose use of the statistics decides whether
+    they count as the method's traffic."""
     plan = CommPlan(outer_sync(cfg), OuterSync(cfg.merge_compression), STATISTICS_WIRE[cfg.statistics_comm],
                     stream, within_node=within_node(cfg), by_tokens=cfg.inner_steps_by_speed,
-                    sample_numel=sample_length, grad_chunks=grad_chunks(cfg), statistics_decide=statistics_decide,
-                    inner_steps=cfg.num_inner_steps, overlap_steps=overlap_steps(cfg))
+                    sample_numel=sample_length, grad_chunks=grad_chunks(cfg, batch_test),
+                    statistics_decide=batch_test.uses_statistics, inner_steps=cfg.num_inner_steps,
+                    overlap_steps=overlap_steps(cfg))
     return dataclasses.replace(plan, sizes=WireSizes.of(numels, plan, gradient_numel))
 
 
