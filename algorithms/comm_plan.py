@@ -1,6 +1,7 @@
 """What a run's communication is, decided once (docs/communication.md): how the outer sync, the merges and the
 batch tests' statistics travel, the Streaming DiLoCo schedule, and what each weighs on the wire. cluster/build.py
-builds it from the config and the model; the backend, the clock feed and the round driver take it whole."""
+builds it from the config and the model (utils/run_plan.py); the backend, the round driver and the replay take it
+whole."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class WireSizes:
     """What travels, in bytes (docs/communication.md, "Communication accounting")."""
     param_bytes: int  # one trainer's fp32 weights (P)
     sync_bytes: int  # what one node sends its trainer per round: fp32 weights, or the encoded pseudo-gradient
-    fragment_bytes: tuple[int, ...]  # streaming: one collective per fragment, each payload with its count/flag
+    fragment_bytes: tuple[int, ...]  # streaming: one collective per fragment, each with its count/flag (else ())
     statistics_bytes: int  # one node's batch-test statistics
     gradient_bytes: int = 0  # DDP / SNOO: each inner step's all-reduce per node (fp32 gradients and a count)
 
@@ -66,6 +67,6 @@ class CommPlan:
         the traffic counters and the clock alike. statistics_sent: its nodes' gradient statistics travelled."""
         sizes = self.sizes
         return SyncCost(0 if self.outer_sync.exact else sizes.sync_bytes,
-                        sizes.fragment_bytes if self.streams else (), self.overlap_steps, self.inner_steps,
+                        sizes.fragment_bytes, self.overlap_steps, self.inner_steps,
                         sizes.statistics_bytes if statistics_sent else 0, self.outer_sync.ring,
                         sizes.gradient_bytes, statistics_for_the_log=not self.statistics_decide)

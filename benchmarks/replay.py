@@ -1,13 +1,14 @@
 """The replay: how long a run we measured would take on a cluster with a given network (a network cost model).
 
-No network is emulated. A run's logs say, round by round, how many tokens each trainer's nodes processed,
-which nodes each trainer had (and their micro-batch and accumulation), which merges happened and how many
-nodes moved (the accounting of algorithms/traffic.py). `timeline` replays them through the simulated
-clock (algorithms/clock.py: the same component the cluster drives live) on a network (algorithms/
+No network is emulated. A run's records say, round by round, what each node of each trainer did (node_clock.csv,
+written from the round driver's record: its tokens, micro-batch, accumulation, slowdown and the state it received
+first, a node move), which merges happened with which payloads (merge_events.csv), and what each sync sent (the
+run's plan, utils/run_plan.py; the accounting of algorithms/traffic.py). `timeline` replays them through the
+simulated clock (algorithms/clock.py: the same component the cluster drives live) on a network (algorithms/
 network.py's ring model), a throughput (tokens/s of one node: a number, or a curve against the micro-batch)
 and, optionally, each node's speed:
 
-    a node's compute    = its tokens this round (the trainer's, split evenly) / (curve x speed)
+    a node's compute    = its tokens this round / (curve x speed / slowdown)
     a trainer's round   = its slowest node + its collectives: the weights (P bytes, fp32) in a ring
                           all-reduce, or with outer_compression each node's encoded pseudo-gradient (C
                           bytes) as a ring of quantized shards (priced as a ring all-reduce of C; runs made
@@ -21,22 +22,25 @@ and, optionally, each node's speed:
 Trainers advance independently between merges (lockstep=True: every round starts when the slowest
 trainer's last round, its merges and the node moves ended everywhere: this model's first version).
 ASSUMPTIONS (what it ignores): no overlap of compute and communication (except streaming's sync_delay), no
-contention between trainers or moves sharing links, evaluation and checkpoint time left out, each node of
-a trainer processing the same number of tokens (the logs keep the trainer's total).
+contention between trainers or moves sharing links, evaluation and checkpoint time left out. Runs written before
+node_clock.csv carried `received_bytes` are read from training_log.csv: each node of a trainer processing the same
+number of tokens, node moves re-simulated (`_rounds_before_the_record`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
+from algorithms.comm_plan import WireSizes
 from algorithms.network import INSTANT, Network
 from algorithms.traffic import SyncCost, ring_allreduce_bytes
 from run_dir.run_config import load_run_config
-from training_logs.records import MergeEvent, TrainerRow, read_records, value_of
+from training_logs.records import MergeEvent, NodeTime, TrainerRow, read_records, value_of
 from utils import run_plan
 from utils.config import Config
 
@@ -51,6 +55,7 @@ class TrainerRound:
     micro_batch: int = 1
     accumulation: int = 1
     receivers: tuple[int, ...] = ()  # nodes that received the trainer's state before the round (node moves)
+    work: tuple[NodeWork, ...] = ()  # each node's own work, as the run recorded it (empty: tokens split evenly)
 
 
 @dataclass
@@ -58,6 +63,7 @@ class MergeWork:
     survivor: int
     nbytes: int  # what travelled into the survivor
     members: tuple[int, ...] = ()  # the survivor first (empty: the survivor alone waits)
+    payloads: tuple[int, ...] = ()  # each absorbed state's bytes, one message each (empty: nbytes, one message)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class RoundWork:
     merges: list[MergeWork] = field(default_factory=list)
     node_moves: int = 0
     node_move_bytes: int = 0  # all moving nodes together
+    slowdown: dict[int, float] = field(default_factory=dict)  # node_schedule: nodes slowed down this round
 
 
 def _curve(throughput: float | ThroughputCurve) -> ThroughputCurve:
@@ -83,7 +90,7 @@ def replay(rounds: list[RoundWork], net: Network, throughput: float | Throughput
     re-pricing a run made elsewhere), not those it ran in (a run's own curve: its live clock)."""
     curve = _curve(throughput)
 
-    def shape(t: TrainerRound) -> tuple[int, int]:
+    def shape(t: TrainerRound | NodeWork) -> tuple[int, int]:
         return curve.device_shape(t.micro_batch, t.accumulation) if device_shapes else (t.micro_batch,
                                                                                          t.accumulation)
 
@@ -102,11 +109,13 @@ def replay(rounds: list[RoundWork], net: Network, throughput: float | Throughput
         receivers = {n for t in work.trainers for n in t.receivers}
         if move and not receivers:  # moves without their nodes (hand-made rounds): the first node receives
             receivers = set(next((nodes for nodes in nodes_of if nodes), ())[:1])
-        clock.round([TrainerWork(t.trainer_id, [NodeWork(n, t.tokens / t.num_nodes, *shape(t),
-                                                         move if n in receivers else 0) for n in nodes], t.sync)
-                     for t, nodes in zip(work.trainers, nodes_of) if t.num_nodes])
+        clock.round([TrainerWork(t.trainer_id, [NodeWork(w.node_id, w.tokens, *shape(w), w.receives_bytes)
+                                                for w in t.work] if t.work else
+                                 [NodeWork(n, t.tokens / t.num_nodes, *shape(t), move if n in receivers else 0)
+                                  for n in nodes], t.sync)
+                     for t, nodes in zip(work.trainers, nodes_of) if t.num_nodes], work.slowdown)
         for m in work.merges:
-            clock.merge(m.survivor, list(m.members or (m.survivor,)), [m.nbytes])
+            clock.merge(m.survivor, list(m.members or (m.survivor,)), list(m.payloads or (m.nbytes,)))
         times[work.step] = clock.now
     return clock, times
 
@@ -156,13 +165,61 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
     run_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
     weight_bytes = model_bytes or run_bytes
     scale = weight_bytes / run_bytes if run_bytes else 1.0  # 1 unless another model size is priced
-    stats = _statistics_bytes(cfg, weight_bytes, statistics)
-    sync_bytes = run_plan.sync_payload_bytes(cfg, weight_bytes) if cfg is not None else 0
-    # every round of the run sent alike (CommPlan.sync_cost); runs made before the ring all-gathered their payloads
-    sync = SyncCost(sync_bytes, tuple(round(b * scale) for b in summary.get("fragment_bytes") or ()),
-                    run_plan.overlap_steps(cfg) if cfg is not None else 0,
-                    cfg.num_inner_steps if cfg is not None else 1, stats,
-                    summary.get("compressed_sync") == "ring", round(int(summary.get("gradient_bytes") or 0) * scale))
+    # every round of the run sent alike: CommPlan.sync_cost of the plan its config derives, on its recorded sizes
+    sizes = WireSizes(weight_bytes, run_plan.sync_payload_bytes(cfg, weight_bytes) if cfg is not None else 0,
+                      tuple(round(b * scale) for b in summary.get("fragment_bytes") or ()),
+                      _statistics_bytes(cfg, weight_bytes, statistics),
+                      round(int(summary.get("gradient_bytes") or 0) * scale))
+    sync = run_plan.recorded_comm_plan(cfg, sizes).sync_cost(True) if cfg is not None else \
+        SyncCost(0, sizes.fragment_bytes, step_bytes=sizes.gradient_bytes)
+    if sync.ring and summary.get("compressed_sync") != "ring":  # runs made before the ring all-gathered theirs
+        sync = dataclasses.replace(sync, ring=False)
+    nodes_file = report / "node_clock.csv"
+    recorded = read_records(nodes_file, NodeTime) if nodes_file.is_file() else []
+    if recorded and recorded[0].received_bytes is not None:
+        rounds = _recorded_rounds(recorded, merges_at, sync, scale)
+    else:
+        rounds = _rounds_before_the_record(by_step, merges_at, sync, scale)
+    return rounds, weight_bytes, round(int(value_of(summary, "weights_traffic_bytes", 0)) * scale)
+
+
+def _merges(merges: list[MergeEvent], scale: float) -> list[MergeWork]:
+    return [MergeWork(m.survivor, round(m.bytes * scale), (m.survivor, *map(int, m.merged.split())),
+                      tuple(round(int(b) * scale) for b in (m.payloads or "").split()))
+            for m in merges]
+
+
+def _recorded_rounds(recorded: list[NodeTime], merges_at: dict[int, list[MergeEvent]], sync: SyncCost,
+                     scale: float) -> list[RoundWork]:
+    """The rounds as the round driver recorded them (node_clock.csv): each node's own tokens, shape, slowdown and
+    the state it received first; the trainers in the order the run's clock took them."""
+    nodes_at: dict[int, list[NodeTime]] = {}
+    for n in recorded:
+        nodes_at.setdefault(n.outer_step, []).append(n)
+    rounds = []
+    for step in sorted(nodes_at):
+        trainers: dict[int, list[NodeWork]] = {}
+        for n in nodes_at[step]:
+            trainers.setdefault(n.trainer_id, []).append(
+                NodeWork(n.node_id, float(n.tokens), n.micro_batch, n.accumulation_steps,
+                         round(n.received_bytes * scale)))
+        moved = [w.receives_bytes for work in trainers.values() for w in work if w.receives_bytes]
+        work = RoundWork(step, [], _merges(merges_at.get(step, []), scale), len(moved), sum(moved),
+                         {n.node_id: n.slowdown for n in nodes_at[step] if n.slowdown != 1.0})
+        for t, nodes in sorted(trainers.items()):
+            work.trainers.append(TrainerRound(len(nodes), sum(w.tokens for w in nodes), sync, trainer_id=t,
+                                              nodes=tuple(w.node_id for w in nodes), micro_batch=nodes[0].micro_batch,
+                                              accumulation=nodes[0].accumulation,
+                                              receivers=tuple(w.node_id for w in nodes if w.receives_bytes),
+                                              work=tuple(nodes)))
+        rounds.append(work)
+    return rounds
+
+
+def _rounds_before_the_record(by_step: dict[int, list[TrainerRow]], merges_at: dict[int, list[MergeEvent]],
+                              sync: SyncCost, scale: float) -> list[RoundWork]:
+    """Runs written before node_clock.csv carried received_bytes: the rounds from training_log.csv, each trainer's
+    tokens split evenly over its nodes, the node moves re-simulated as the cluster tracks them (RoundDriver.jobs)."""
     tokens_before = {r.trainer_id: 0.0 for r in by_step.get(0, [])}
     moves_before = move_bytes_before = 0
     held: dict[int, tuple[int, int]] = {}  # node -> (trainer, weights version) it holds, as the cluster tracks it
@@ -171,9 +228,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
     for step in sorted(s for s in by_step if s > 0):
         trained = by_step[step]
         first = trained[0]
-        work = RoundWork(step, [], [MergeWork(m.survivor, round(m.bytes * scale),
-                                              (m.survivor, *map(int, m.merged.split())))
-                                    for m in merges_at.get(step, [])],
+        work = RoundWork(step, [], _merges(merges_at.get(step, []), scale),
                          (first.node_moves or 0) - moves_before,
                          round(((first.node_move_bytes or 0) - move_bytes_before) * scale))
         moves_before, move_bytes_before = first.node_moves or 0, first.node_move_bytes or 0
@@ -195,7 +250,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
             if own:  # the merge is computed on the survivor's first node, which so holds the result
                 held[min(own)] = (m.survivor, version[m.survivor])
         rounds.append(work)
-    return rounds, weight_bytes, round(int(value_of(summary, "weights_traffic_bytes", 0)) * scale)
+    return rounds
 
 
 def _infer_weight_bytes(by_step: dict[int, list[TrainerRow]]) -> int:

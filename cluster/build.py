@@ -21,7 +21,7 @@ from algorithms.policies import build_merge_policy
 from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.streaming import StreamingPlan
 from algorithms.switch_mode import build_switch_mode
-from cluster.clock_feed import ClockFeed
+from cluster.ledgers import Ledgers
 from cluster.max_batch_calculator import NodeShare, find_max_batch_size
 from cluster.memory_plan import MemoryPlan, idle_state_bytes, plan_of_run
 from cluster.placement import (
@@ -33,6 +33,7 @@ from cluster.placement import (
     use_threads,
 )
 from cluster.round_driver import Policies, RoundDriver
+from cluster.round_schedule import RoundSchedule
 from cluster.state import ClusterState
 from cluster.throughput import cached_curve, device_kind, measure_curve
 from distributed.in_process import InProcessBackend
@@ -63,7 +64,7 @@ class ClusterParts:
     plan: CommPlan
     state: ClusterState
     backend: Backend
-    clock: ClockFeed
+    ledgers: Ledgers
     driver: RoundDriver
     resume_state: dict | None  # the checkpoint's state besides the trainers, read once
     memory_plan: MemoryPlan | None = None  # at the nodes' max batch (cluster/memory_plan.py); None under torchrun
@@ -109,15 +110,16 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
                   cfg.node_speeds, plan.sizes.param_bytes)
     log.info("clock: network %s; throughput %s; node speeds %s", describe(clock.network), clock.curve.source,
              " ".join(f"{v:g}" for v in cfg.node_speeds))
-    feed = ClockFeed(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), cfg, evaluator.higher_is_better)
-    driver = RoundDriver(cfg, state, backend, feed, evaluator, policies, plan)
+    ledgers = Ledgers(clock, state, cfg, evaluator.higher_is_better, plan.sizes.param_bytes)
+    schedule = RoundSchedule(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), cfg)
+    driver = RoundDriver(cfg, state, backend, schedule, evaluator, policies, plan)
     memory = None
     if dist_env is None:  # what each device holds at the nodes' max batch (run.py checked it at batch 1)
         memory = plan_of_run(cfg, model, max(n.max_batch for n in nodes), master_device)
         for line in memory.lines():
             log.info("%s", line)
     compiled = warm_up_compiled(nodes, data) if cfg.compile else None
-    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, feed, driver, resume_state, memory,
+    return ClusterParts(nodes, trainers, evaluator, sketch, plan, state, backend, ledgers, driver, resume_state, memory,
                         compiled)
 
 

@@ -3,8 +3,9 @@
 The controller takes every decision; a backend executes what crosses nodes (distributed/protocol.py:
 `InProcessBackend` runs every node in this process, `TorchrunBackend` one node per torchrun process).
 build.py makes every part from the config (`build_cluster`, the one composition root); state.py holds the
-cluster's state (owners, holds, counters, traffic, the rollback snapshot), clock_feed.py feeds the simulated clock
-and round_driver.py runs an outer step and a merge, returning records. `ClusterController` takes the parts, loads a
+cluster's state (owners, holds, counters, traffic, the rollback snapshot), round_driver.py runs an outer step and a
+merge and returns their records, and ledgers.py counts what a record says (the simulated clock, the traffic, the
+best seen). `ClusterController` takes the parts, loads a
 resume; `train` is the loop; every logger call is in `_log_round` and `train`.
 """
 
@@ -21,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.build import ClusterParts, build_cluster
-from cluster.round_driver import RoundRecord
+from cluster.round_driver import MergeRecord, RoundRecord
 from fabrics.dataset_loader import CorpusData
 from node import RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
@@ -51,7 +52,7 @@ class ClusterController:
         self.stop = stop or StopSignals()
         self.nodes, self.trainers, self.evaluator = parts.nodes, parts.trainers, parts.evaluator
         self.sketch, self.plan, self.state = parts.sketch, parts.plan, parts.state
-        self.backend, self.clock, self.driver = parts.backend, parts.clock, parts.driver
+        self.backend, self.ledgers, self.driver = parts.backend, parts.ledgers, parts.driver
         self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
         self.memory_plan = parts.memory_plan
         self.compiled = parts.compiled  # compile: the buckets and the warm-up (cluster/build.py: warm_up_compiled)
@@ -98,14 +99,14 @@ class ClusterController:
                                       self.dist_env.rank if distributed else None)
         return {**state, "logger": self.logger.counters(),
                 "sketch": self.sketch.state_dict() if self.sketch is not None else None,
-                "clock": self.clock.state_dict(), "wall_time": self.state.wall_before + time.time() - self._start}
+                "clock": self.ledgers.state_dict(), "wall_time": self.state.wall_before + time.time() - self._start}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["nodes"]) != len(self.nodes):
             raise UserError(f"--resume: the checkpoint has {len(state['nodes'])} nodes, the config {len(self.nodes)}")
         self.state.load_state_dict(state)
         self.logger.load_counters(state["logger"])
-        self.clock.load_state_dict(state.get("clock"))
+        self.ledgers.load_state_dict(state.get("clock"))
 
     def save(self, label: str | None = None, final_id: int | None = None) -> Path:
         """A checkpoint of the state after outer step last_outer_step."""
@@ -149,9 +150,10 @@ class ClusterController:
     # The loop
 
     def run_outer_step(self, outer_step: int) -> list[dict]:
-        """One outer step (cluster/round_driver.py), its records logged; returns the trainers' rows."""
+        """One outer step (cluster/round_driver.py), counted by the ledgers and logged; returns the trainers' rows."""
         try:
             record = self.driver.run(outer_step)
+            self.ledgers.round(record)
         finally:
             self._log_round(self.driver.record)
         return record.rows
@@ -173,8 +175,13 @@ class ClusterController:
             self.logger.log_inner_evals(record.inner_evals)
 
     def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
-        """Merge by the policy (cluster/round_driver.py); metrics: each trainer's metric before the merge."""
-        return self.driver.merge(outer_step, metrics)
+        """Merge by the policy (cluster/round_driver.py), counted by the ledgers; metrics: each trainer's metric before
+        the merge. Returns merge_events.csv's row."""
+        record: MergeRecord | None = self.driver.merge(outer_step, metrics)
+        if record is None:
+            return None
+        self.ledgers.merge(record)
+        return record.event
 
     def train(self) -> dict:
         cfg, state = self.cfg, self.state
@@ -210,7 +217,7 @@ class ClusterController:
                     self.logger.memory.record("after_merge", outer_step)
                 wall = state.wall_before + time.time() - self._start
                 for row in rows:  # counters at the end of the outer step, its merge included
-                    row.update(state.traffic.row(), wall_time=wall, **self.clock.row())
+                    row.update(state.traffic.row(), wall_time=wall, **self.ledgers.row())
                 # the bar shows what exists after the step: the trainers left after its merge, their best model
                 best = self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
                 log.info(self._step_line(outer_step, rows, merge_event))
@@ -271,7 +278,7 @@ class ClusterController:
             # decisions where max_requested_batch, not the batch test, set the batch; the largest the test asked
             "capped_requests": self.logger.capped_requests,
             "largest_capped_request": self.logger.largest_capped_request,
-            **self.clock.summary(),  # the simulated clock (docs/clock.md)
+            **self.ledgers.summary(),  # the simulated clock (docs/clock.md)
         }
         if self.sizes.gradient_bytes:  # DDP / SNOO: each inner step's all-reduce per node (benchmarks/replay.py)
             summary["gradient_bytes"] = self.sizes.gradient_bytes

@@ -1,6 +1,7 @@
 """The round driver: one outer step for every trainer (jobs, the round on the backend, faults, outer steps,
-evaluation, batch tests) and the merges. It logs nothing: it returns records of what happened (RoundRecord,
-the merge event), which the controller hands to the logger in one place."""
+evaluation, batch tests) and the merges. It decides and counts nothing: it returns records of what happened
+(RoundRecord, MergeRecord), which the controller hands to the ledgers (cluster/ledgers.py: the clock, the traffic,
+the best seen) and to the logger, each in one place."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from algorithms.assignment import assign_nodes, node_counts
 from algorithms.clock import NodeWork
 from algorithms.comm_plan import CommPlan
-from cluster.clock_feed import ClockFeed
+from algorithms.traffic import SyncCost
+from cluster.round_schedule import RoundSchedule
 from cluster.state import STALE, ClusterState
 from distributed.mid_round import MidRoundPlan, evaluation_steps
 from distributed.protocol import Backend, NodeFault, RoundResult
@@ -36,9 +38,29 @@ class RoundRecord:
     comm: dict | None = None  # torchrun: what this rank's collectives cost (metrics.jsonl)
     faults: list[dict] = dataclasses.field(default_factory=list)  # fault_events.csv
     step_losses: list[dict] | None = None  # step_losses.csv (None: the step failed before its round ended)
-    node_times: list[dict] | None = None  # node_clock.csv (None: the step failed before the clock saw it)
+    node_times: list[dict] | None = None  # node_clock.csv, from the ledgers (None: the step failed before them)
     inner_evals: list[dict] = dataclasses.field(default_factory=list)  # inner_eval.csv (eval_every_inner_steps)
     rows: list[dict] = dataclasses.field(default_factory=list)  # training_log.csv, one per trainer
+    # what the ledgers read (cluster/ledgers.py): each trainer's nodes' work (tokens, shape, a state received first),
+    # each node's inner steps and slowdown, what each trainer's collectives sent, how many nodes each trainer whose
+    # round ended synced, and those trainers' evaluations
+    work: dict[int, list[NodeWork]] = dataclasses.field(default_factory=dict)
+    inner_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    slowdown: dict[int, float] = dataclasses.field(default_factory=dict)
+    costs: dict[int, SyncCost] = dataclasses.field(default_factory=dict)
+    synced: dict[int, int] = dataclasses.field(default_factory=dict)
+    scores: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class MergeRecord:
+    """What a merge did: the absorbed states' payloads into the survivor, its evaluation, merge_events.csv's row
+    (the ledgers add sim_time_s)."""
+    survivor: int
+    members: list[int]  # the survivor first
+    payloads: list[int]  # each absorbed state's bytes, one message each
+    metric_after: float
+    event: dict
 
 
 @dataclasses.dataclass
@@ -50,9 +72,9 @@ class Policies:
 
 
 class RoundDriver:
-    def __init__(self, cfg: Config, state: ClusterState, backend: Backend, clock: ClockFeed, evaluator: Evaluator,
-                 policies: Policies, plan: CommPlan) -> None:
-        self.cfg, self.nodes, self.state, self.backend, self.clock = cfg, state.nodes, state, backend, clock
+    def __init__(self, cfg: Config, state: ClusterState, backend: Backend, schedule: RoundSchedule,
+                 evaluator: Evaluator, policies: Policies, plan: CommPlan) -> None:
+        self.cfg, self.nodes, self.state, self.backend, self.schedule = cfg, state.nodes, state, backend, schedule
         self.evaluator, self.policies, self.plan, self.sizes = evaluator, policies, plan, plan.sizes
         self.merge_sync, self.streaming = plan.merge_sync, plan.streams
         self.grad_chunks = plan.grad_chunks
@@ -73,7 +95,7 @@ class RoundDriver:
     def jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
         """This round's node jobs, and the moves (trainer, from node, to node) that must come first. Nodes away
         this round (node_schedule) get no job; one that comes back joins as a new node would."""
-        state, schedule = self.state, self.clock.schedule
+        state, schedule = self.state, self.schedule.nodes
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         present = schedule.present(outer_step, len(self.nodes))
         away = sorted(set(state.owner) - set(present))
@@ -85,7 +107,7 @@ class RoundDriver:
         assignment = assign_nodes(node_counts(requested, len(present)), {n: state.owner[n] for n in present})
         slowdown = schedule.slowdown(outer_step)
         jobs, moves = [], []
-        self.clock.round_work = {}
+        self.record.slowdown = slowdown
         sources = {t: state.holder(t) for t in assignment}  # before this round changes holds
         for node_id in away:  # it may hand its state on now; its copy goes stale as its trainer trains on
             state.holds[node_id] = STALE
@@ -94,13 +116,12 @@ class RoundDriver:
             version = (t, trainer.weights_version)
             shapes = {n: self.policies.switch_mode.decide(trainer.requested_batch, self.nodes[n].max_batch)
                       for n in assignment[t]}
-            inner_steps = self.clock.inner_steps(assignment[t], shapes, slowdown)
+            inner_steps = self.schedule.inner_steps(assignment[t], shapes, slowdown)
             # DDP / SNOO: the nodes step one AdamW in lockstep; when one of them starts afresh, they all do
             restart = trainer.syncs_gradients and any(state.owner[n] != t for n in assignment[t])
             for node_id in assignment[t]:
                 moved = state.holds[node_id] not in (None, version)
-                if moved:
-                    state.traffic.node_move(trainer.transfer_bytes())  # the node receives this trainer's state
+                if moved:  # the node receives this trainer's state
                     moves.append((t, sources[t], node_id))
                 state.holds[node_id] = version
                 loader_batch, accumulation = shapes[node_id]
@@ -113,8 +134,9 @@ class RoundDriver:
                                     keep_local=self.streaming and state.continues[node_id] == version,
                                     sync_gradients=trainer.syncs_gradients))
                 tokens = float(self.tokens_per_sequence[indices.reshape(-1)].sum())
-                self.clock.work(t, NodeWork(node_id, tokens, loader_batch, accumulation,
-                                            trainer.transfer_bytes() if moved else 0))
+                self.record.work.setdefault(t, []).append(
+                    NodeWork(node_id, tokens, loader_batch, accumulation, trainer.transfer_bytes() if moved else 0))
+                self.record.inner_steps[node_id] = steps
         for t, node_ids in assignment.items():
             for node_id in node_ids:
                 state.owner[node_id] = t
@@ -180,13 +202,13 @@ class RoundDriver:
             for t, res in sorted(results.items()) for node, losses in sorted(res.node_step_losses.items())
             for i, loss in enumerate(losses)]
         record.inner_evals = self._inner_evals(outer_step, jobs, results)
-        self.state.traffic.rounds += 1
         self.state.tokens_total += sum(res.tokens for res in results.values())
         self._outer_steps(outer_step, results)
         trainer_ids = sorted({j.trainer_id for j in jobs})
         # what each trainer's collectives sent and cost, once: the clock and the traffic counters read the same
-        costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None) for t in trainer_ids}
-        clock, record.node_times = self.clock.round(outer_step, jobs, costs)
+        record.costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None)
+                        for t in trainer_ids}
+        record.synced = {t: len(res.nodes) for t, res in results.items()}
         if self.streaming:  # the good nodes' own weights go on next round, if their trainer stays the same
             for f in faults:
                 self.state.continues[f.node_id] = None
@@ -197,10 +219,10 @@ class RoundDriver:
         for t in trainer_ids:
             if t not in results:  # every node of this trainer failed: it keeps its weights this round
                 node_ids = [j.node_id for j in jobs if j.trainer_id == t]
-                record.rows.append(self._failed_row(outer_step, t, plan[node_ids[0]], evaluations[t], clock[t]))
+                record.rows.append(self._failed_row(outer_step, t, plan[node_ids[0]], evaluations[t]))
             else:
-                self.state.traffic.add(costs[t], len(results[t].nodes), self.sizes.param_bytes)
-                record.rows.append(self._row(outer_step, t, results[t], plan, evaluations[t], clock[t]))
+                record.scores[t] = evaluations[t].value
+                record.rows.append(self._row(outer_step, t, results[t], plan, evaluations[t]))
         return record
 
     def _outer_steps(self, outer_step: int, results: dict[int, RoundResult]) -> None:
@@ -221,22 +243,18 @@ class RoundDriver:
             fault.state_is_good = False
             raise fault
 
-    def _failed_row(self, outer_step: int, t: int, shape: tuple[int, int], evaluation: EvalResult,
-                    clock: dict) -> dict:
+    def _failed_row(self, outer_step: int, t: int, shape: tuple[int, int], evaluation: EvalResult) -> dict:
         trainer = self.trainers[t]
         return {"outer_step": outer_step, "trainer_id": t, "nodes": "", "num_nodes": 0,
                 "requested_batch": trainer.requested_batch, "loader_batch": shape[0], "accumulation_steps": shape[1],
                 "optimizer_steps": trainer.stats.optimizer_steps, "tokens_seen": trainer.stats.tokens_seen,
                 "global_tokens": self.state.tokens_total, "train_loss": math.nan, **evaluation.metrics,
-                "next_requested_batch": trainer.requested_batch, **clock}
+                "next_requested_batch": trainer.requested_batch}
 
-    def _row(self, outer_step: int, t: int, res: RoundResult, plan: dict, evaluation: EvalResult,
-             clock: dict) -> dict:
+    def _row(self, outer_step: int, t: int, res: RoundResult, plan: dict, evaluation: EvalResult) -> dict:
         """The batch test's decision and the trainer's row."""
         trainer, state = self.trainers[t], self.state
         requested_before = trainer.requested_batch
-        state.seen(evaluation.value, self.evaluator.higher_is_better)
-        self.clock.reached(evaluation.value, clock["sim_time_s"])
         decision = self.policies.batch_test(res.statistics, trainer.requested_batch, len(res.nodes),
                                             tokens_seen=state.tokens_total)
         trainer.requested_batch = decision.requested_batch
@@ -249,10 +267,10 @@ class RoundDriver:
                 "num_nodes": len(res.nodes), "requested_batch": requested_before, "loader_batch": loader_batch,
                 "accumulation_steps": accumulation, "optimizer_steps": s.optimizer_steps,
                 "tokens_seen": s.tokens_seen, "global_tokens": state.tokens_total, "train_loss": res.train_loss,
-                **evaluation.metrics, "next_requested_batch": decision.requested_batch, **decision.stats, **clock}
+                **evaluation.metrics, "next_requested_batch": decision.requested_batch, **decision.stats}
 
     # -------------------------------------------------------------------------------------------
-    def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
+    def merge(self, outer_step: int, metrics: dict[int, float]) -> MergeRecord | None:
         """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
         policy, state = self.policies.merge_policy, self.state
         if not policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
@@ -264,7 +282,7 @@ class RoundDriver:
         # the absorbed states travel to the survivor's first node, which computes the average
         coordinator = min((n for n, t in state.owner.items() if t == plan.survivor),
                           default=state.holder(plan.survivor))
-        moved = sum(self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others)
+        payloads = [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others]
         self.backend.transfer([(m, state.holder(m), coordinator) for m in plan.members[1:]], self.trainers,
                               compression=self.merge_sync)
         survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used
@@ -272,18 +290,15 @@ class RoundDriver:
             del self.trainers[other.trainer_id]
             survivor.stats.tokens_seen += other.stats.tokens_seen
             survivor.stats.optimizer_steps += other.stats.optimizer_steps
-        state.traffic.merge(moved)
-        ready = self.clock.merge(plan.survivor, list(plan.members),
-                                 [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others])
         state.holds[coordinator] = (plan.survivor, survivor.weights_version)  # the others receive it when they start
         after = self.evaluate([plan.survivor])[plan.survivor].value  # does averaging hurt? measured, not assumed
-        state.seen(after, self.evaluator.higher_is_better)
-        self.clock.reached(after, ready)
-        return {"outer_step": outer_step, "survivor": plan.survivor,
+        return MergeRecord(plan.survivor, list(plan.members), payloads, after, {
+                "outer_step": outer_step, "survivor": plan.survivor,
                 "merged": " ".join(map(str, plan.members[1:])),
                 "weights": " ".join(f"{w:.4f}" for w in plan.weights),
-                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": moved,
+                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": sum(payloads),
+                "payloads": " ".join(map(str, payloads)),
                 "metric": self.evaluator.metric,
                 "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
                 "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
-                "metric_after": after, "sim_time_s": ready}
+                "metric_after": after})

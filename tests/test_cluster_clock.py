@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from algorithms.clock import ThroughputCurve
+from algorithms.network import parse_network
+from benchmarks.replay import read_rounds, replay
 from run import main
 from tests.conftest import ROOT, TINY
 from tests.test_bad_input import assert_refused_before_any_work, error_lines
@@ -87,6 +89,19 @@ def test_a_heterogeneous_cluster_with_a_schedule_runs_logs_and_resumes_exactly_a
     assert float(logged[-1]["utilisation"]) == pytest.approx(summary["utilisation"], rel=1e-4)
     metrics = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert any("node_1/idle_s" in m.get("metrics", m) for m in metrics)
+    # the replay reads the recorded rounds (node_clock.csv, merge_events.csv): on the run's own network, curve and
+    # speeds it is the live clock to the last digit, merges, node moves, the away node and the slowdowns included
+    rounds, weight_bytes, _ = read_rounds(full)
+    assert any(w.merges for w in rounds) and any(w.node_moves for w in rounds) and any(w.slowdown for w in rounds)
+    clock, times = replay(rounds, parse_network("cross-region"), ThroughputCurve.load(curve), weight_bytes,
+                          load_config(full / "config.yaml").node_speeds)
+    assert clock.now == summary["sim_time_s"] and clock.utilisation() == summary["utilisation"]
+    assert sum(clock.busy) == summary["busy_node_seconds"] and clock.idle() == summary["idle_node_seconds"]
+    with (full / "model_training_report" / "merge_events.csv").open() as f:
+        ends = [(int(r["outer_step"]), float(r["sim_time_s"])) for r in [*logged, *csv.DictReader(f)]]
+    # each step's end, as the CSVs print it (6 significant digits)
+    assert [times[s] for s in range(1, STEPS + 1)] == pytest.approx(
+        [max(t for step, t in ends if step <= s) for s in range(1, STEPS + 1)], rel=1e-5)
     # SIGTERM once outer step 3 is logged (node 3 away, node 1 slowed): the resumed run is the same run
     run_dir = sigterm_after_outer_step_3(cache_dir, tmp_path / "b", args)
     run_dir, _ = resume(run_dir)

@@ -1,6 +1,7 @@
 """The layers point one way and no modules import each other in a circle (imports inside functions count)."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,17 +88,31 @@ def test_the_cluster_parts_sit_below_the_controller_and_the_backends_below_them(
 
 
 def test_one_composition_root_builds_the_cluster():
-    """Only cluster/build.py makes the backend, the clock feed, the round driver and the state (a benchmark may build
-    one part alone to measure it)."""
+    """Only cluster/build.py makes the backend, the round schedule, the ledgers, the round driver and the state (a
+    benchmark may build one part alone to measure it)."""
     import re
 
     makers = {}
     for name, path in _project_modules().items():
-        for part in ("InProcessBackend", "TorchrunBackend", "ClockFeed", "RoundDriver", "ClusterState"):
+        for part in ("InProcessBackend", "TorchrunBackend", "RoundSchedule", "Ledgers", "RoundDriver", "ClusterState"):
             if re.search(rf"\b{part}\(", path.read_text()) and not name.startswith("benchmarks"):
                 makers.setdefault(part, set()).add(name)
-    assert makers["ClockFeed"] == makers["RoundDriver"] == makers["ClusterState"] == {"cluster.build"}
+    for part in ("RoundSchedule", "Ledgers", "RoundDriver", "ClusterState"):
+        assert makers[part] == {"cluster.build"}, part
     assert makers["InProcessBackend"] == makers["TorchrunBackend"] == {"cluster.build"}
+
+
+def test_the_round_driver_decides_and_the_ledgers_count():
+    """RoundDriver never calls the clock, the traffic counters or the best-seen bookkeeping: it records, and the
+    ledgers (cluster/ledgers.py) count from its records in one place (the controller, after the step)."""
+    tree = ast.parse((ROOT / "cluster" / "round_driver.py").read_text())
+    touched = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not touched & {"clock", "traffic", "seen", "reached", "node_move", "ledgers"}, touched & {
+        "clock", "traffic", "seen", "reached", "node_move", "ledgers"}
+    assert "inner_steps" in touched and "schedule" in touched  # what is decided before a round (RoundSchedule)
+    ledger_callers = {name for name, path in _project_modules().items()
+                      if re.search(r"\bledgers\.(round|merge)\(", path.read_text())}
+    assert ledger_callers == {"cluster.controller"}
 
 
 def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):

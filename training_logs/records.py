@@ -97,6 +97,7 @@ class MergeEvent:
     metric_weighted_before: float
     metric_after: float
     sim_time_s: Float = None
+    payloads: str | None = None  # each absorbed state's bytes, one message each (runs before it: bytes, one message)
 
 
 @dataclasses.dataclass
@@ -117,7 +118,8 @@ class InnerEval:
 @dataclasses.dataclass
 class NodeTime:
     """node_clock.csv: the simulated clock's view of each node's round (algorithms/clock.py), seconds from the
-    run's start."""
+    run's start: each node's work as the round driver recorded it (trainer, inner steps, shape, tokens, a state it
+    received), which the replay (benchmarks/replay.py) reads back."""
     outer_step: int
     node_id: int
     trainer_id: int
@@ -131,6 +133,7 @@ class NodeTime:
     compute_s: float
     idle_s: float
     end_s: float
+    received_bytes: Int = None  # the trainer's state it received before it started (a node move); None: runs before it
 
 
 @dataclasses.dataclass

@@ -87,18 +87,30 @@ def streaming(cfg: Config, numels: dict[str, int]) -> StreamingPlan | None:
                                cfg.fragment_alpha)
 
 
+def _wires(cfg: Config, sample_length: int, batch_test, stream: StreamingPlan | None) -> CommPlan:
+    """The plan's wires and schedule, before anything is weighed."""
+    return CommPlan(outer_sync(cfg), OuterSync(cfg.merge_compression), STATISTICS_WIRE[cfg.statistics_comm],
+                    stream, within_node=within_node(cfg), by_tokens=cfg.inner_steps_by_speed,
+                    sample_numel=sample_length, grad_chunks=grad_chunks(cfg, batch_test),
+                    statistics_decide=batch_test.uses_statistics, inner_steps=cfg.num_inner_steps,
+                    overlap_steps=overlap_steps(cfg))
+
+
 def comm_plan(cfg: Config, numels: dict[str, int], sample_length: int, batch_test, gradient_numel: int = 0,
               stream: StreamingPlan | None = None) -> CommPlan:
     """How the run's rounds travel (docs/communication.md): the outer sync, merges and batch statistics' wires, the
     Streaming DiLoCo plan (`stream`, from `streaming`), and what each payload weighs for a model whose fp32
     tensors have these sizes. batch_test: the run's (batch_test_of), whose use of the statistics decides whether
     they count as the method's traffic."""
-    plan = CommPlan(outer_sync(cfg), OuterSync(cfg.merge_compression), STATISTICS_WIRE[cfg.statistics_comm],
-                    stream, within_node=within_node(cfg), by_tokens=cfg.inner_steps_by_speed,
-                    sample_numel=sample_length, grad_chunks=grad_chunks(cfg, batch_test),
-                    statistics_decide=batch_test.uses_statistics, inner_steps=cfg.num_inner_steps,
-                    overlap_steps=overlap_steps(cfg))
+    plan = _wires(cfg, sample_length, batch_test, stream)
     return dataclasses.replace(plan, sizes=WireSizes.of(numels, plan, gradient_numel))
+
+
+def recorded_comm_plan(cfg: Config, sizes: WireSizes) -> CommPlan:
+    """The plan of a finished run whose payloads weighed `sizes` (its summary.json's, or scaled to another model
+    size): the replay prices its rounds with the same CommPlan.sync_cost the live run did (no streaming schedule:
+    the fragments are in `sizes`)."""
+    return dataclasses.replace(_wires(cfg, 0, batch_test_of(cfg), None), sizes=sizes)
 
 
 def statistics_bytes(cfg: Config, weight_bytes: int) -> int:
