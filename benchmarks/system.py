@@ -9,8 +9,8 @@
 (b) a real ClusterController's rounds (first variant) split: node rounds (their gradient statistics
     apart), outer steps, evaluation, merges, the rest (assignment, logging); end-to-end tokens/s of the
     rounds against the bare node loop of (a);
-(c) memory: RSS growth while building nodes and trainers and running one round, against what the
-    replicas, gradients, AdamW states, fp32 master copies and the evaluation replica should need (CPU);
+(c) memory: RSS growth while building nodes and trainers and running the rounds, against the run's own memory plan
+    (cluster/memory_plan.py: what each device and the host should hold at the nodes' micro-batch; CPU);
 (d) achieved training FLOP/s of (a) against the device's matmul peak measured in the variant's dtype
     (and, on a known GPU, its datasheet peak): the model FLOP utilisation.
 Each prints a table; --markdown FILE appends them (with date and machine) to FILE.
@@ -26,7 +26,6 @@ memory probe, or --curve-max-batch), each with accumulation 1, 2 and 4, in the f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import platform
@@ -219,8 +218,8 @@ def training_flops(model, tokens: int, seq_len: int) -> float:
 
 
 def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
-    """One real cluster: time the pieces of its rounds and its memory against the expected bytes."""
-    import distributed.node_round as rounds_module
+    """One real cluster: the pieces of its rounds timed (each step's record: RoundRecord.seconds, MergeRecord.seconds)
+    and its memory against the run's own memory plan (cluster/memory_plan.py)."""
     from cluster import ClusterController
     from training_logs.memory_monitor import MemoryMonitor
     from training_logs.trackers import TrackerGroup
@@ -229,7 +228,6 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
     cfg = load_config(cfg_path, overrides)
     data = load_corpus(cfg)
     model = build_model(cfg, len(data.tokenizer), data.tokenizer.pad_token_id)
-    p_bytes = count_parameters(model) * 4
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,58 +235,31 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
                                                                                   TrackerGroup([])))
         cluster = ClusterController.build(cfg, model, data, logger, Path(tmp) / "w")
         times = {"round": 0.0, "statistics": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0, "total": 0.0}
-        evaluate = cluster.evaluator.evaluate
-
-        def timed(key, fn):
-            def wrapper(*a, **k):
-                t = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    times[key] += time.perf_counter() - t
-            return wrapper
-
-        window = cluster.driver.round_window  # the controller's seam around a round's node work (and transfers)
-
-        @contextlib.contextmanager
-        def timed_round(step: int):
-            start = time.perf_counter()
-            try:
-                with window(step):
-                    yield
-            finally:
-                times["round"] += time.perf_counter() - start
-
-        cluster.driver.round_window = timed_round
-        trainer_statistics = rounds_module.trainer_statistics
-        rounds_module.trainer_statistics = timed("statistics", trainer_statistics)
-        cluster.evaluator.evaluate = timed("eval", evaluate)
-        for trainer in cluster.trainers.values():
-            trainer.outer_step = timed("outer", trainer.outer_step)
         metric = cluster.evaluator.metric
-        try:
-            for step in range(1, cfg.num_outer_steps + 1):
-                start = time.perf_counter()
-                rows = cluster.run_outer_step(step)
-                t, evaluating = time.perf_counter(), times["eval"]
-                cluster.merge(step, {r["trainer_id"]: r[metric] for r in rows})
-                # the merged model's evaluation is counted under evaluation, not twice
-                times["merge"] += time.perf_counter() - t - (times["eval"] - evaluating)
-                times["total"] += time.perf_counter() - start
-        finally:
-            rounds_module.trainer_statistics = trainer_statistics
+        for step in range(1, cfg.num_outer_steps + 1):
+            start = time.perf_counter()
+            rows = cluster.run_outer_step(step)
+            cluster.merge(step, {r["trainer_id"]: r[metric] for r in rows})
+            times["total"] += time.perf_counter() - start
+            merged = cluster.driver.merge_record  # the merged model's evaluation counts under evaluation
+            for part in (cluster.driver.record.seconds, merged.seconds if merged is not None else {}):
+                for key, seconds in part.items():
+                    times[key] += seconds
         times["tokens"] = cluster.tokens_total
         peak = max(r["process_rss_mib"] for r in logger.memory.rows) * MiB if logger.memory.rows else 0
         rss1 = max(proc.memory_info().rss, peak)
+        plan = cluster.memory_plan
         cluster.backend.close()
         logger.close()
-    nodes, trainers = cfg.total_nodes, cfg.num_init_trainers
-    adam = 2 if cfg.distributed_algo == "DiLoCo" else 0
-    expected = {"node replicas": nodes * p_bytes, "node gradients": nodes * p_bytes,
-                "inner optimizer states": nodes * adam * p_bytes, "trainer fp32 masters": trainers * p_bytes,
-                "outer momentum": trainers * p_bytes if cfg.outer_momentum else 0, "evaluation replica": p_bytes}
-    return times, {"measured": rss1 - rss0, "expected": sum(expected.values()), "parts": expected,
-                   "params": p_bytes // 4, "nodes": nodes}
+    parts: dict[str, int] = {}  # the plan's parts, every device's together (on the CPU all of them are this process)
+    for device in plan.devices:
+        for key, nbytes in (*device.resident.items(), *device.transient.items()):
+            parts[key] = parts.get(key, 0) + nbytes
+    for key, nbytes in plan.host.items():
+        parts[f"host: {key}"] = nbytes
+    parts = {k: v for k, v in parts.items() if v}
+    return times, {"measured": rss1 - rss0, "expected": sum(parts.values()), "parts": parts,
+                   "params": count_parameters(model), "nodes": cfg.total_nodes}
 
 
 def write_curve(args, cfg, model, device: str, variant: str) -> int:
@@ -423,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                  ["measured RSS growth (peak)", memory["measured"] / MiB],
                  ["measured / expected", memory["measured"] / memory["expected"]]]
         out.append(table(f"(c) Memory of a cluster of {memory['nodes']} nodes ({memory['params'] / 1e6:.2f}M "
-                         "parameters)", ["part", "MiB"], rows))
+                         "parameters) against its memory plan", ["part (cluster/memory_plan.py)", "MiB"], rows))
     out.append(flops_table(inner, model, cfg.seq_len, device, numbers))
     text = "\n".join(out)
     print(text)

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,9 @@ class RoundRecord:
     costs: dict[int, SyncCost] = dataclasses.field(default_factory=dict)
     synced: dict[int, int] = dataclasses.field(default_factory=dict)
     scores: dict[int, float] = dataclasses.field(default_factory=dict)
+    # wall seconds of its parts: the round (node work and transfers; "statistics" of it: the batch tests' sums),
+    # the outer steps, the evaluations (benchmarks.system reads them)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -61,6 +65,7 @@ class MergeRecord:
     payloads: list[int]  # each absorbed state's bytes, one message each
     metric_after: float
     event: dict
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # wall: the merge, its evaluation
 
 
 @dataclasses.dataclass
@@ -81,7 +86,8 @@ class RoundDriver:
         self.tokens_per_sequence = state.nodes[0].data.tokens_per_sequence  # every node reads the same corpus
         self.injected = cfg.injected_faults()
         self.round_window: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
-        self.record = RoundRecord(0)
+        self.record = RoundRecord(0)  # the last step's
+        self.merge_record: MergeRecord | None = None  # the last step's merge (None: it merged nothing)
 
     @property
     def trainers(self) -> dict[int, Trainer]:
@@ -186,6 +192,7 @@ class RoundDriver:
         plan = {j.node_id: (j.sample_indices.shape[2], j.sample_indices.shape[1]) for j in jobs}
         every = self.cfg.eval_every_inner_steps
         mid_round = MidRoundPlan(evaluation_steps(every, jobs), self._synced_metrics) if every else None
+        start = time.perf_counter()
         try:
             with self.round_window(outer_step):
                 self.backend.transfer(moves, self.trainers)
@@ -193,6 +200,8 @@ class RoundDriver:
         except RoundAbandoned:
             self.state.restore(before)
             raise
+        record.seconds["round"] = time.perf_counter() - start
+        record.seconds["statistics"] = sum(res.statistics_seconds for res in results.values())
         record.comm = self.backend.take_round_comm()
         if faults:
             self._handle_faults(outer_step, faults, before, any_result=bool(results))
@@ -203,7 +212,9 @@ class RoundDriver:
             for i, loss in enumerate(losses)]
         record.inner_evals = self._inner_evals(outer_step, jobs, results)
         self.state.tokens_total += sum(res.tokens for res in results.values())
+        start = time.perf_counter()
         self._outer_steps(outer_step, results)
+        record.seconds["outer"] = time.perf_counter() - start
         trainer_ids = sorted({j.trainer_id for j in jobs})
         # what each trainer's collectives sent and cost, once: the clock and the traffic counters read the same
         record.costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None)
@@ -215,7 +226,9 @@ class RoundDriver:
             for t, res in results.items():
                 for node_id in res.nodes:
                     self.state.continues[node_id] = (t, self.trainers[t].weights_version)
+        start = time.perf_counter()
         evaluations = self.evaluate(trainer_ids)
+        record.seconds["eval"] = time.perf_counter() - start
         for t in trainer_ids:
             if t not in results:  # every node of this trainer failed: it keeps its weights this round
                 node_ids = [j.node_id for j in jobs if j.trainer_id == t]
@@ -273,8 +286,10 @@ class RoundDriver:
     def merge(self, outer_step: int, metrics: dict[int, float]) -> MergeRecord | None:
         """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
         policy, state = self.policies.merge_policy, self.state
+        self.merge_record = None
         if not policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
             return None
+        start = time.perf_counter()
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         plan = policy.plan(requested)
         survivor = self.trainers[plan.survivor]
@@ -291,14 +306,15 @@ class RoundDriver:
             survivor.stats.tokens_seen += other.stats.tokens_seen
             survivor.stats.optimizer_steps += other.stats.optimizer_steps
         state.holds[coordinator] = (plan.survivor, survivor.weights_version)  # the others receive it when they start
+        merged = time.perf_counter()
         after = self.evaluate([plan.survivor])[plan.survivor].value  # does averaging hurt? measured, not assumed
-        return MergeRecord(plan.survivor, list(plan.members), payloads, after, {
-                "outer_step": outer_step, "survivor": plan.survivor,
-                "merged": " ".join(map(str, plan.members[1:])),
-                "weights": " ".join(f"{w:.4f}" for w in plan.weights),
-                "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": sum(payloads),
-                "payloads": " ".join(map(str, payloads)),
-                "metric": self.evaluator.metric,
-                "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
-                "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
-                "metric_after": after})
+        seconds = {"merge": merged - start, "eval": time.perf_counter() - merged}
+        event = {"outer_step": outer_step, "survivor": plan.survivor, "merged": " ".join(map(str, plan.members[1:])),
+                 "weights": " ".join(f"{w:.4f}" for w in plan.weights),
+                 "requested_batches": " ".join(str(requested[m]) for m in plan.members), "bytes": sum(payloads),
+                 "payloads": " ".join(map(str, payloads)), "metric": self.evaluator.metric,
+                 "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
+                 "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
+                 "metric_after": after}
+        self.merge_record = MergeRecord(plan.survivor, list(plan.members), payloads, after, event, seconds)
+        return self.merge_record

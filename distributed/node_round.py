@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
@@ -141,5 +142,7 @@ def combine(results: list[NodeResult], plan: CommPlan, device: str = "cpu",
             learning_rate=group[0].learning_rate)
         samples = [(r.grad_samples, r.sample_batches) for r in group if r.grad_samples is not None]
         if samples:
+            start = time.perf_counter()
             combined[trainer_id].statistics = trainer_statistics(samples, within_node, wire)
+            combined[trainer_id].statistics_seconds = time.perf_counter() - start
     return combined

@@ -35,6 +35,7 @@ class RoundResult:
     node_step_losses: dict[int, list[float]]  # node id -> loss of each inner step
     learning_rate: float
     statistics: GradientStatistics | None = None  # the batch test's sums (None: no gradient samples)
+    statistics_seconds: float = 0.0  # wall seconds this process spent making them (benchmarks.system reads it)
     outer_error: str = ""  # streaming: a fragment's outer step failed (non-finite pseudo-gradient)
     # eval_every_inner_steps (distributed/mid_round.py): (inner step, nodes averaged, the synced model's metrics)
     mid_round: list[tuple[int, list[int], dict[str, float]]] = field(default_factory=list)

@@ -244,8 +244,10 @@ class TorchrunBackend:
                 parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
                 node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(g)] for g in good_ids],
                                                 shares)
+        statistics_seconds = time.perf_counter()
         if own and any(f["has_samples"] for f in own):
             statistics = self._statistics(outcome if good else None, members[mine])
+        statistics_seconds = time.perf_counter() - statistics_seconds
         # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.
         shared_statistics = {}
         if any(f["has_samples"] for f in facts):
@@ -253,9 +255,12 @@ class TorchrunBackend:
                                   if statistics is not None and self.rank == members[mine][0] else {})
             shared_statistics = {t: s for part in shared for t, s in part.items()}
         scored = {f["trainer_id"]: f["mid_round"] for f in facts if f["mid_round"]}
-        return {t: trainer_result(good_facts[t], node_mean if t == mine else None, shared_statistics.get(t),
-                                  outer_error if t == mine else "", scored.get(t, []))
-                for t in trainer_ids if good_facts[t]}, faults
+        results = {t: trainer_result(good_facts[t], node_mean if t == mine else None, shared_statistics.get(t),
+                                     outer_error if t == mine else "", scored.get(t, []))
+                   for t in trainer_ids if good_facts[t]}
+        if mine in results:
+            results[mine].statistics_seconds = statistics_seconds
+        return results, faults
 
     def _node_round(self, job: NodeJob, members: tuple[int, ...], trainers: dict[int, Trainer],
                     evaluations: MidRound | None) -> tuple[NodeResult | NodeFault | None, bool, str]:

@@ -15,7 +15,7 @@ from cluster.max_batch_calculator import NodeShare
 from cluster.memory_plan import ModelSizes, model_sizes, plan_for_config, plan_memory
 from fabrics.models import load_preset
 from node import Node, NodeJob
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY
 from utils.config import load_config
 
 GiB = 1 << 30
@@ -276,3 +276,22 @@ def test_a_plan_the_host_cannot_hold_is_named():
     line = host_shortfall(plan, 64 * GiB)
     assert line.startswith("the host needs 127 GiB (offloaded_nodes 54.5, rollback_snapshot 36.3, checkpoint_copy "
                            "36.3 GiB), more than the 64 GiB available")
+
+
+def test_the_system_benchmark_times_the_records_and_measures_against_the_memory_plan(cache_dir):
+    """benchmarks.system's round split reads each step's record (RoundRecord.seconds, MergeRecord.seconds), patching
+    nothing in the engine, and its expected memory is the run's own memory plan, part by part."""
+    import distributed.node_round
+    from benchmarks.system import bench_round
+    from cluster.memory_plan import plan_for_config
+
+    args = [*TINY, f"cache_dir={cache_dir}", "num_outer_steps=2", "merge_frequency=1", "cpu_threads=1"]
+    statistics = distributed.node_round.trainer_statistics
+    times, memory = bench_round(str(ROOT / "config.yaml"), args)
+    assert distributed.node_round.trainer_statistics is statistics
+    assert all(times[k] > 0 for k in ("round", "statistics", "outer", "eval", "merge"))  # 2 merges, the norm test
+    assert times["statistics"] < times["round"] and times["round"] + times["outer"] + times["eval"] + times[
+        "merge"] <= times["total"]
+    plan = plan_for_config(load_config(ROOT / "config.yaml", args), micro_batch=4)
+    assert memory["expected"] == plan.host_bytes + sum(d.planned_bytes for d in plan.devices)
+    assert memory["parts"]["host: masters"] == 2 * memory["params"] * 4 and memory["measured"] > 0
