@@ -14,6 +14,7 @@ import torch
 from algorithms.calc_batch import trainer_statistics
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync
+from distributed.plain import LocalWeights, node_mean
 from distributed.protocol import NodeFault, RoundResult
 from node import InjectedCrash, Node, NodeJob, NodeResult, RoundAbandoned
 
@@ -104,11 +105,11 @@ def token_shares(tokens: list[float]) -> list[float]:
 def combine(results: list[NodeResult], plan: CommPlan, device: str = "cpu",
             masters: dict[int, dict[str, torch.Tensor]] | None = None, members: dict[int, int] | None = None, *,
             streamed: bool = False, identical: bool = False) -> dict[int, RoundResult]:
-    """Per trainer: the mean of its good nodes' weights, in fp32 on `device` (the masters'), summed in node-id
-    order (compressed by plan.outer_sync: master minus the mean of the decoded pseudo-gradients, `masters` giving
-    each trainer's); and the batch test's statistics from the nodes' samples (their vectors summed in the plan's
-    statistics wire dtype). plan.by_tokens (inner_steps_by_speed): each node weighs in by its share of the
-    trainer's tokens.
+    """Per trainer: the mean of its good nodes' weights (distributed/plain.py: node_mean, in fp32 on `device`, the
+    masters', summed in node-id order; compressed by plan.outer_sync: master minus the mean of the decoded
+    pseudo-gradients), `masters` giving each trainer's; and the batch test's statistics from the nodes' samples
+    (their vectors summed in the plan's statistics wire dtype). plan.by_tokens (inner_steps_by_speed): each node
+    weighs in by its share of the trainer's tokens.
     members: each trainer's number of nodes this round, failed ones included (the owners of a compressed ring).
     streamed: the fragments' outer steps already ran during the round; no mean is taken.
     identical (DDP, SNOO): the good nodes hold the same weights; the lowest id's are the mean, nothing travels."""
@@ -123,17 +124,11 @@ def combine(results: list[NodeResult], plan: CommPlan, device: str = "cpu",
             mean = None
         elif identical:
             mean = {name: v.detach().to(device, torch.float32, copy=True) for name, v in group[0].state.items()}
-        elif not sync.exact:
-            mean = sync.mean_of(masters[trainer_id], [r.payload for r in group],
-                                (members or {}).get(trainer_id, len(group)), shares)
-        else:
-            mean = {}
-            for name in group[0].state:
-                acc = torch.zeros(group[0].state[name].shape, dtype=torch.float32, device=device)
-                for i, r in enumerate(group):
-                    value = r.state[name].detach().to(device, torch.float32)
-                    acc += value if shares is None else value * shares[i]
-                mean[name] = acc / len(group) if shares is None else acc
+        else:  # the plain round's mean (distributed/plain.py), every node here
+            owners = (members or {}).get(trainer_id, len(group))
+            mean = node_mean(sync, masters[trainer_id], {r.node_id: r.state for r in group},
+                             {r.node_id: r.payload for r in group}, [r.node_id for r in group], shares, owners,
+                             LocalWeights(sync, owners), device)
         combined[trainer_id] = RoundResult(
             node_mean=mean, nodes=[r.node_id for r in group],
             train_loss=sum(sum(r.step_losses) / len(r.step_losses) for r in group) / len(group),

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from algorithms.calc_batch import NodeGradientSums
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, empty_wire
+from distributed import plain
 from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
 from distributed.mid_round import MidRound, MidRoundPlan, evaluated_round
 from distributed.node_round import advance, run_node, token_shares
@@ -225,25 +226,13 @@ class TorchrunBackend:
         elif own and job.sync_gradients:  # the good nodes hold the same weights
             node_mean = _Gradients(self, members[mine]).common_weights(outcome if good else None,
                                                                        [f["node_id"] for f in own])
-        elif own and self.sync.exact:
-            weights = self._flat(outcome.state if good else None)
-            if self.by_tokens:  # each node's share of the tokens, known to all from the facts
-                shares = token_shares([f["tokens"] for f in own])
-                weights *= shares[[f["node_id"] for f in own].index(self.rank)] if good else 0.0
-            if len(members[mine]) > 1:
-                weights = self._all_reduce(weights, members[mine], "weights")
-            node_mean = self._unflat(weights.to(self.master_device) / (1 if self.by_tokens else len(own)))
-        elif own:  # compressed: a ring of quantized shards, or (top-k) every member decodes every good payload
-            payload = outcome.payload if good else torch.zeros(self.sync.payload_bytes(self.numel), dtype=torch.uint8)
+        elif own:  # the plain round's mean (distributed/plain.py), this rank's node and its group's collectives
+            # each node's share of the tokens is known to all from the facts; node-id order, as the simulation sums
             shares = token_shares([f["tokens"] for f in own]) if self.by_tokens else None
-            good_ids = [f["node_id"] for f in own]  # node-id order, as the simulation sums
-            if self.sync.ring and len(members[mine]) > 1:
-                node_mean = self.ring.mean(job.master, payload.to(self.comm_device), self.numel, members[mine],
-                                           good_ids, shares)
-            else:
-                parts = self._all_gather(payload, members[mine], "weights") if len(members[mine]) > 1 else [payload]
-                node_mean = self.sync.node_mean(job.master, [parts[members[mine].index(g)] for g in good_ids],
-                                                shares)
+            node_mean = plain.node_mean(self.sync, job.master, {self.rank: outcome.state if good else None},
+                                        {self.rank: outcome.payload if good else None},
+                                        [f["node_id"] for f in own], shares, len(members[mine]),
+                                        _GroupWeights(self, members[mine]), self.comm_device)
         statistics_seconds = time.perf_counter()
         if own and any(f["has_samples"] for f in own):
             statistics = self._statistics(outcome if good else None, members[mine])
@@ -450,6 +439,34 @@ class _Collectives:
         if len(members) == 1 and not backend.sync.exact:
             return [arrived]
         return arrived
+
+
+class _GroupWeights:
+    """The plain round's transport under torchrun (distributed/plain.py's WeightsTransport): this rank's node's part,
+    summed (all-reduce), all-gathered (top-k) or reduced in a ring of quantized shards within the trainer's group;
+    a node that failed sends zeros."""
+
+    def __init__(self, backend: TorchrunBackend, members: tuple[int, ...]) -> None:
+        self.backend, self.members = backend, members
+
+    def sum(self, total: torch.Tensor) -> torch.Tensor:
+        return self.backend._all_reduce(total, self.members, "weights") if len(self.members) > 1 else total
+
+    def _own(self, local: dict[int, torch.Tensor | None]) -> torch.Tensor:
+        payload, backend = local[self.backend.rank], self.backend
+        return payload if payload is not None else torch.zeros(backend.sync.payload_bytes(backend.numel),
+                                                               dtype=torch.uint8)
+
+    def payloads(self, local: dict[int, torch.Tensor | None], good_ids: list[int]) -> list[torch.Tensor]:
+        payload = self._own(local)
+        parts = self.backend._all_gather(payload, self.members, "weights") if len(self.members) > 1 else [payload]
+        return [parts[self.members.index(g)] for g in good_ids]
+
+    def ring_mean(self, master: dict[str, torch.Tensor], local: dict[int, torch.Tensor | None], good_ids: list[int],
+                  shares: list[float] | None) -> dict[str, torch.Tensor]:
+        backend = self.backend
+        return backend.ring.mean(master, self._own(local).to(backend.comm_device), backend.numel, self.members,
+                                 good_ids, shares)
 
 
 class _States:

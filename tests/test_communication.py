@@ -243,3 +243,32 @@ def test_a_master_flattened_once_per_trainer_encodes_as_each_node_flattening_it(
         own = sync.encode(master, node, residual)
         shared = sync.encode(master, node, residual, flatten(master, sorted(master), "cpu"))
         assert torch.equal(own[0], shared[0]) and torch.equal(own[1], shared[1])
+
+
+def test_the_plain_rounds_mean_is_one_function_whatever_crosses_processes():
+    """distributed/plain.py: node_mean by hand, with every node here (the in-process transport) and with one node
+    here and the other's part arriving through the transport (as torchrun's all-reduce): the same numbers."""
+    from distributed.plain import LocalWeights, node_mean
+
+    master = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    states = {0: {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([4.0])},
+              1: {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([8.0])}}
+    exact = OuterSync("none")
+    here = node_mean(exact, master, states, {}, [0, 1], None, 2, LocalWeights(exact, 2), "cpu")
+    assert here["w"].tolist() == [2.0, 4.0] and here["b"].tolist() == [6.0]
+    shared = node_mean(exact, master, states, {}, [0, 1], [0.25, 0.75], 2, LocalWeights(exact, 2), "cpu")
+    assert shared["w"].tolist() == [2.5, 5.0] and shared["b"].tolist() == [7.0]  # token shares: no division
+
+    class OtherProcess(LocalWeights):  # node 1 lives elsewhere: its weights arrive in the sum (sorted names: b, w)
+        def sum(self, total):
+            return total + torch.tensor([8.0, 3.0, 6.0])
+
+    apart = node_mean(exact, master, {0: states[0]}, {}, [0, 1], None, 2, OtherProcess(exact, 2), "cpu")
+    assert all(torch.equal(apart[k], here[k]) for k in master)
+    failed_here = node_mean(exact, master, {0: None}, {}, [1], None, 2, OtherProcess(exact, 2), "cpu")
+    assert failed_here["w"].tolist() == [3.0, 6.0]  # a failed node adds nothing; the mean is over the good one
+    # compressed: the good nodes' payloads, decoded, master minus their mean (int8, every payload here)
+    int8 = OuterSync("int8", error_feedback=False)
+    payloads = {n: int8.encode(master, states[n], None)[0] for n in states}
+    ring = node_mean(int8, master, {}, payloads, [0, 1], None, 2, LocalWeights(int8, 2), "cpu")
+    assert torch.allclose(ring["w"], here["w"], atol=0.05) and torch.allclose(ring["b"], here["b"], atol=0.05)

@@ -2,7 +2,7 @@
 
 Every report the harness writes gets `replay_bundle.tar.gz` beside comparison.md: per run its config.yaml,
 summary.json, status.json and the small CSVs the reader and the replay read (training_log.csv, merge_events.csv,
-inner_eval.csv), plus manifest.json (the harness's options, each run's variant, seed, family and constant batch, the
+inner_eval.csv, node_clock.csv: the recorded rounds), plus manifest.json (the harness's options, each run's variant, seed, family and constant batch, the
 runs that stopped on a training fault). A few hundred kB for a tuned report of 75 runs.
 
     python -m benchmarks.compare --reprice benchmarks/results/REPORT --report_out /tmp/view \\
@@ -25,7 +25,8 @@ from pathlib import Path
 
 BUNDLE = "replay_bundle.tar.gz"
 FILES = ("config.yaml", "summary.json", "status.json", "model_training_report/training_log.csv",
-         "model_training_report/merge_events.csv", "model_training_report/inner_eval.csv")
+         "model_training_report/merge_events.csv", "model_training_report/inner_eval.csv",
+         "model_training_report/node_clock.csv")
 # what --reprice takes from its own command line; every other option is the bundled report's
 PRICING_OPTIONS = ("network", "node_throughput", "time_target", "time_budget", "crossover_latency", "throughput_curve",
                    "no_statistics", "model_params", "report_out")
