@@ -38,9 +38,10 @@ from pathlib import Path
 from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.comm_plan import WireSizes
 from algorithms.network import INSTANT, Network
-from algorithms.traffic import SyncCost, ring_allreduce_bytes
+from algorithms.traffic import SyncCost
+from run_dir.past import infer_weight_bytes, value_of
 from run_dir.run_config import load_run_config
-from training_logs.records import MergeEvent, NodeTime, TrainerRow, read_records, value_of
+from training_logs.records import MergeEvent, NodeTime, TrainerRow, read_records
 from utils import run_plan
 from utils.config import Config
 
@@ -162,7 +163,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
     merges_at: dict[int, list[MergeEvent]] = {}
     for m in merges:
         merges_at.setdefault(m.outer_step, []).append(m)
-    run_bytes = summary.get("weight_bytes") or _infer_weight_bytes(by_step)
+    run_bytes = summary.get("weight_bytes") or infer_weight_bytes(by_step)  # older runs (run_dir/past.py)
     weight_bytes = model_bytes or run_bytes
     scale = weight_bytes / run_bytes if run_bytes else 1.0  # 1 unless another model size is priced
     # every round of the run sent alike: CommPlan.sync_cost of the plan its config derives, on its recorded sizes
@@ -251,19 +252,6 @@ def _rounds_before_the_record(by_step: dict[int, list[TrainerRow]], merges_at: d
                 held[min(own)] = (m.survivor, version[m.survivor])
         rounds.append(work)
     return rounds
-
-
-def _infer_weight_bytes(by_step: dict[int, list[TrainerRow]]) -> int:
-    """P from a round with an all-reduce: its allreduce_bytes grew by sum over trainers of 2 (n-1) P."""
-    before = 0
-    for step in sorted(by_step):
-        rows = by_step[step]
-        total = rows[0].allreduce_bytes or 0
-        ring = sum(ring_allreduce_bytes(r.num_nodes, 1) for r in rows if r.num_nodes)
-        if step > 0 and ring and total > before:
-            return (total - before) // ring
-        before = total
-    return 0  # the run never all-reduced: its weights never crossed a link in an all-reduce
 
 
 def accounted_bytes(rounds: list[RoundWork], weight_bytes: int) -> int:

@@ -125,6 +125,24 @@ def test_flat_equal_speeds_in_lockstep_reproduce_the_first_models_predictions_on
         replay(adloco, parse_network("consumer"), 5000.0, 4 * 10**6, lockstep=True)[0].now
 
 
+def test_runs_of_older_formats_replay_as_they_did(tmp_path):
+    """run_dir/past.py and the replay's rebuild: the committed runs predate node_clock.csv's received_bytes (their
+    rounds come from training_log.csv, node moves re-simulated); one written before summary.json carried
+    weight_bytes gets P back from its all-reduce traffic, and replays the same."""
+    import shutil
+
+    assert not (FIXTURES / "adloco_seed1" / "model_training_report" / "node_clock.csv").is_file()
+    rounds, weight_bytes, communicated = read_rounds(FIXTURES / "adloco_seed1")
+    assert any(w.node_moves for w in rounds) and all(not t.work for w in rounds for t in w.trainers)
+    older = tmp_path / "adloco_seed1"
+    shutil.copytree(FIXTURES / "adloco_seed1", older)
+    summary = json.loads((older / "summary.json").read_text())
+    del summary["weight_bytes"]
+    (older / "summary.json").write_text(json.dumps(summary))
+    again, inferred, _ = read_rounds(older)
+    assert inferred == weight_bytes == 7148032 and again == rounds
+
+
 def test_a_slow_node_in_a_replayed_run_slows_its_trainer_only():
     rounds, weight_bytes, _ = read_rounds(FIXTURES / "diloco_streaming_seed0")
     nodes = {n for w in rounds for t in w.trainers for n in t.nodes}

@@ -279,8 +279,9 @@ def test_older_files_are_read_and_resumed_under_the_traffic_names_that_say_what_
     line "MB communicated" also counts the batch test's statistics, and the total bytes_needed. Files of older
     versions are read, and an older run is resumed, under weights_traffic_bytes and total_traffic_bytes."""
     from run_dir.lifecycle import sent_line
+    from run_dir.past import value_of
     from training_logs.csv_files import start_csv
-    from training_logs.records import TrainerRow, columns, read_records, value_of
+    from training_logs.records import TrainerRow, columns, read_records
 
     fixture = ROOT / "tests" / "fixtures" / "priced_runs" / "adloco_seed1"  # written before 2026-11-24
     rows = read_records(fixture / "model_training_report" / "training_log.csv", TrainerRow)

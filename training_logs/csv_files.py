@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from training_logs.records import RENAMED
+from run_dir.past import renamed_header
 
 
 def start_csv(path: Path, columns: list[str], resume_step: int | None, always_keep=None) -> str | None:
@@ -22,7 +22,7 @@ def start_csv(path: Path, columns: list[str], resume_step: int | None, always_ke
         with path.open(newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
-            header = header and [RENAMED.get(c, c) for c in header]  # an older version's names, renamed since
+            header = header and renamed_header(header)  # an older version's names, renamed since
             if header is not None and header[:1] == columns[:1] and set(header) <= set(columns):
                 # an older version's columns (a subset): its rows carry over by name, new columns empty
                 where = [header.index(c) if c in header else None for c in columns]

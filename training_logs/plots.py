@@ -24,8 +24,8 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 from matplotlib.transforms import offset_copy  # noqa: E402
 
+from run_dir.past import value_of  # noqa: E402
 from training_logs.alive import best_alive  # noqa: E402
-from training_logs.records import value_of  # noqa: E402
 
 
 def _read(path: Path) -> list[dict[str, str]]:

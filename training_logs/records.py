@@ -14,22 +14,10 @@ import typing
 from pathlib import Path
 from typing import TypeVar
 
+from run_dir.past import value_of  # renamed columns (run_dir/past.py: what older versions wrote)
+
 Int = int | None
 Float = float | None
-
-# Columns (and summary.json keys) renamed since files were written, old name -> new: files of older versions are
-# read, and a run of an older version resumed, under the new names. The old names did not say what they counted
-# (bytes_communicated was the weights' traffic alone, while a run's final line "MB communicated" also counts the
-# batch test's statistics).
-RENAMED = {"bytes_communicated": "weights_traffic_bytes", "bytes_needed": "total_traffic_bytes"}
-_OLD_NAME = {new: old for old, new in RENAMED.items()}
-
-
-def value_of(values: dict, name: str, default=None):
-    """values[name], or the value under its old name in a file of an older version (RENAMED)."""
-    if name in values:
-        return values[name]
-    return values.get(_OLD_NAME.get(name, name), default)
 
 
 @dataclasses.dataclass
@@ -178,7 +166,7 @@ def _parser(tp) -> type:
 def read_records(path: Path, record: type[Record]) -> list[Record]:
     """Every row of a CSV file written with `columns(record)`, typed; an empty cell is None. A column the record
     does not know (a file of a newer version) is ignored; one it knows but the file lacks (an older file) is None;
-    a renamed column is read under its old name (RENAMED)."""
+    a renamed column is read under its old name (run_dir/past.py)."""
     hints = typing.get_type_hints(record)
     parse = {name: _parser(hints[name]) for name in columns(record)}
     with path.open(newline="") as f:

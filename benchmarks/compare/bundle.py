@@ -2,8 +2,9 @@
 
 Every report the harness writes gets `replay_bundle.tar.gz` beside comparison.md: per run its config.yaml,
 summary.json, status.json and the small CSVs the reader and the replay read (training_log.csv, merge_events.csv,
-inner_eval.csv, node_clock.csv: the recorded rounds), plus manifest.json (the harness's options, each run's variant, seed, family and constant batch, the
-runs that stopped on a training fault). A few hundred kB for a tuned report of 75 runs.
+inner_eval.csv, node_clock.csv: the recorded rounds), plus manifest.json (the harness's options, each run's
+variant, seed, family and constant batch, the runs that stopped on a training fault). A few hundred kB for a tuned
+report of 75 runs.
 
     python -m benchmarks.compare --reprice benchmarks/results/REPORT --report_out /tmp/view \\
         --network 1Gbit/s,1ms --model_params 3e8 \\
