@@ -15,14 +15,15 @@ Run it on an otherwise idle machine: other load makes "alone" busy too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.launch import child
 from benchmarks.tables import cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +35,12 @@ JOB = ["num_outer_steps=2", "clearml_mode=off", "save_weights_every=0"]
 def timed_job(env_extra: dict[str, str], overrides: list[str], log_dir: Path, name: str) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env_extra
     err_path = log_dir / f"{name}.err"
-    with err_path.open("w") as err:
-        start = time.perf_counter()
-        child = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *JOB, *overrides, f"log_dir={log_dir}",
-                                  f"run_name={name}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)  # the job's own rusage (its threads included), not the busy ones'
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    with child([sys.executable, str(ROOT / "run.py"), *JOB, *overrides, f"log_dir={log_dir}", f"run_name={name}"],
+               err_path, env=env) as job:
+        _, status, usage = os.wait4(job.pid, 0)  # the job's own rusage (its threads included), not the busy ones'
+        job.returncode = os.waitstatus_to_exitcode(status)  # reaped here: the launcher must not wait for it again
+    wall = time.perf_counter() - start
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         last = (err_path.read_text().strip().splitlines() or ["?"])[-1]
@@ -51,18 +52,14 @@ def measure(busy: int, overrides: list[str]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="busy_machine_") as scratch:
         for load in ("alone", f"beside {busy} busy"):
-            spinners = [] if load == "alone" else [
-                subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-            try:
+            with contextlib.ExitStack() as spinners:
+                for _ in range(0 if load == "alone" else busy):  # each killed when the load is done
+                    spinners.callback(spinners.enter_context(child([sys.executable, "-c", "while True: pass"])).kill)
                 for setting, env in SETTINGS.items():
                     result = timed_job(env, overrides, Path(scratch), f"{setting}_{len(rows)}")
                     rows.append({"setting": setting, "load": load, **result})
                     print(f"{setting:16s} {load:14s} wall {result['wall_s']:7.2f} s  cpu {result['cpu_s']:7.2f} s",
                           flush=True)
-            finally:
-                for spinner in spinners:
-                    spinner.kill()
-                    spinner.wait()
     base = next(r for r in rows if r["setting"] == "libgomp_default" and r["load"] == "alone")
     for r in rows:
         r["wall_ratio"] = round(r["wall_s"] / base["wall_s"], 2)

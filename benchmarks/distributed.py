@@ -12,14 +12,15 @@ against the accounting's weights_traffic_bytes. Both runs must take the same dec
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.launch import run_child
+from training_logs.records import TrainerRow, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["devices=[cpu]", "nodes_per_gpu=2", "num_init_trainers=2", "merge_frequency=2", "num_inner_steps=10",
@@ -28,24 +29,23 @@ CONFIG = ["devices=[cpu]", "nodes_per_gpu=2", "num_init_trainers=2", "merge_freq
 
 def run(cmd: list[str], out: Path) -> float:
     start = time.time()
-    with out.open("w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd[:4])} ... failed (exit {proc.returncode}); see {out}")
+    code = run_child(cmd, out)
+    if code != 0:
+        sys.exit(f"error: {' '.join(cmd[:4])} ... failed (exit {code}); see {out}")
     return time.time() - start
 
 
+def rows_of(run_dir: Path) -> list[TrainerRow]:
+    return read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow)
+
+
 def per_round(run_dir: Path) -> list[float]:
-    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    walls = sorted({int(r["outer_step"]): float(r["wall_time"]) for r in rows}.items())
+    walls = sorted({r.outer_step: r.wall_time for r in rows_of(run_dir)}.items())
     return [b - a for (_, a), (_, b) in zip(walls, walls[1:])]
 
 
 def decisions(run_dir: Path) -> list[tuple]:
-    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
-        return [(r["outer_step"], r["trainer_id"], r["nodes"], r["requested_batch"], r["next_requested_batch"])
-                for r in csv.DictReader(f)]
+    return [(r.outer_step, r.trainer_id, r.nodes, r.requested_batch, r.next_requested_batch) for r in rows_of(run_dir)]
 
 
 def main(argv: list[str] | None = None) -> int:

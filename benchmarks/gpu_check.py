@@ -52,7 +52,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from benchmarks.launch import run_child
 from benchmarks.tables import cell
+from training_logs.records import TrainerRow, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,15 +140,11 @@ class Runner:
     def __call__(self, name: str, cmd: list[str], limit: float) -> tuple[int, str]:
         timeout = max(1.0, min(limit, self.deadline - time.time()))
         log = self.out / "logs" / f"{name}.log"
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=self.env)
-            text, code = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as exc:
-            text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            text += f"\nerror: timed out after {timeout:.0f} s (budget)"
-            code = 124
-        log.write_text(text)
-        return code, text
+        code = run_child(cmd, log, env=self.env, timeout=timeout)  # benchmarks/launch.py: the one launcher
+        if code == 124:
+            with log.open("a") as f:
+                f.write(f"\nerror: timed out after {timeout:.0f} s (budget)")
+        return code, log.read_text(errors="replace")
 
 
 def machine_facts() -> dict:
@@ -174,9 +172,9 @@ def summary_of(run_dir: Path) -> dict:
                                     "tokens_seen")}
 
 
-def rows_of(run_dir: Path) -> list[dict]:
-    with (run_dir / "model_training_report" / "training_log.csv").open() as f:
-        return list(csv.DictReader(f))
+def rows_of(run_dir: Path) -> list[TrainerRow]:
+    """training_log.csv's rows, as the run's reader types them (training_logs/records.py)."""
+    return read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow)
 
 
 DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_batch", "accumulation_steps",
@@ -186,9 +184,8 @@ DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_bat
 def compare_runs(a: Path, b: Path, rel: float) -> dict:
     """Decisions identical? Largest relative difference of val_perplexity."""
     ra, rb = rows_of(a), rows_of(b)
-    same = len(ra) == len(rb) and all(x[k] == y[k] for x, y in zip(ra, rb) for k in DECISIONS)
-    worst = max((abs(float(x["val_perplexity"]) - float(y["val_perplexity"])) / float(x["val_perplexity"])
-                 for x, y in zip(ra, rb)), default=0.0)
+    same = len(ra) == len(rb) and all(getattr(x, k) == getattr(y, k) for x, y in zip(ra, rb) for k in DECISIONS)
+    worst = max((abs(x.val_perplexity - y.val_perplexity) / x.val_perplexity for x, y in zip(ra, rb)), default=0.0)
     return {"same_decisions": same, "max_rel_perplexity_difference": worst, "within": worst <= rel}
 
 

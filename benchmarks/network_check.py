@@ -17,12 +17,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from algorithms.network import Network
+from benchmarks.launch import run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.procs),
            "-m", "benchmarks.network_check", "--worker", "--out", args.out, "--backend", args.backend]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
+    if run_child(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}) != 0:
         raise SystemExit("error: the torchrun workers failed (see above)")
     print(report(Path(args.out)))
     return 0

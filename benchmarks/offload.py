@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
+
+from benchmarks.launch import child
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {  # name -> run.py overrides
@@ -34,17 +35,17 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
     run_name = name.split(",")[0].replace(" ", "_")
     cmd = [sys.executable, str(ROOT / "run.py"), f"log_dir={out}", f"run_name={run_name}", *overrides]
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watched, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        try:
-            peak = max(peak, watched.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.02)
-    output = proc.stdout.read()
+    log = out / f"{run_name}.out"
+    with child(cmd, log) as proc:
+        watched, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            try:
+                peak = max(peak, watched.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.02)
     if proc.returncode:
-        raise SystemExit(f"error: {name}: run.py exited {proc.returncode}:\n{output[-2000:]}")
+        raise SystemExit(f"error: {name}: run.py exited {proc.returncode}:\n{log.read_text()[-2000:]}")
     summary = json.loads((out / run_name / "summary.json").read_text())
     plan = summary["memory_plan"]
     planned = sum(d["planned_bytes"] for d in plan["devices"]) + plan["host_bytes"]

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 from algorithms.network import PRESETS, parse_network
 from algorithms.outer_sync import OuterSync
 from algorithms.traffic import SyncCost, Traffic
+from benchmarks.launch import run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,10 +101,10 @@ def measure(procs: list[int], repeats: int, tmp: Path) -> dict[int, dict]:
         result = tmp / f"ring_{n}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                "-m", "benchmarks.ring_scaling", "--worker", str(result), "--repeats", str(repeats)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode != 0:
-            raise SystemExit(f"error: torchrun with {n} processes failed:\n{proc.stderr[-3000:]}")
+        log = tmp / f"ring_{n}.log"
+        code = run_child(cmd, log, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1200)
+        if code != 0:
+            raise SystemExit(f"error: torchrun with {n} processes failed:\n{log.read_text()[-3000:]}")
         measured[n] = json.loads(result.read_text())
     return measured
 

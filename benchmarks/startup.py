@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.launch import child
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "outer step 0:"
@@ -24,17 +25,13 @@ MARK = "outer step 0:"
 
 def time_to_first_step(cache_dir: Path, log_dir: Path, overrides: list[str]) -> float:
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "run.py", f"cache_dir={cache_dir}", f"log_dir={log_dir}",
-                             "clearml_mode=off", *overrides], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
+    with child([sys.executable, "run.py", f"cache_dir={cache_dir}", f"log_dir={log_dir}", "clearml_mode=off",
+                *overrides], capture=True) as proc:
         for line in proc.stdout:
             if MARK in line:
+                proc.kill()  # the first step is all it measures
                 return time.perf_counter() - start
-        sys.exit(f"error: run.py ended (exit {proc.wait()}) before its first training step")
-    finally:
-        proc.kill()
-        proc.wait()
+    sys.exit(f"error: run.py ended (exit {proc.returncode}) before its first training step")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -452,12 +452,13 @@ def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resu
     assert status["state"] == "stopped" and status["signal"] == "SIGINT" and status["resumable"]
     stopped_at = status["outer_step"]
 
+    from benchmarks import launch
     from benchmarks.compare import runner
 
     real, started = runner.run_child, []
 
     def stopped_as_it_starts(cmd, log, **kw):  # benchmarks.tune's handler, landing as the resume starts
-        runner.stop_children(signal.SIGTERM)
+        launch.stop_children(signal.SIGTERM)
         started.append(cmd)
         return real(cmd, log, **kw)
 
@@ -466,7 +467,7 @@ def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resu
         with pytest.raises(SystemExit, match="diloco_b2_seed0 was stopped while it resumed"):
             compare_main(args)
     finally:
-        runner.allow_children()
+        launch.allow_children()
     assert len(started) == 1 and "--resume" in started[0]  # no run from scratch after the stop
     assert json.loads((out / "runs" / "diloco_b2_seed0" / "status.json").read_text()) == status
     assert os.path.isdir(status["checkpoint"])

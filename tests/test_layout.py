@@ -115,6 +115,18 @@ def test_the_round_driver_decides_and_the_ledgers_count():
     assert ledger_callers == {"cluster.controller"}
 
 
+def test_the_benchmarks_start_children_through_one_launcher():
+    """benchmarks/launch.py starts every child run (run.py, torchrun worlds, probes, busy loops), with the harness's
+    stop handling; the one other process is gpu_check's nvidia-smi query of the driver's version."""
+    started = {}
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        calls = re.findall(r"subprocess\.(?:Popen|run|call|check_output|check_call)\(\s*(\[?\"?[\w-]*)",
+                           path.read_text())
+        if calls:
+            started[path.relative_to(ROOT).as_posix()] = calls
+    assert started == {"benchmarks/launch.py": ["cmd"], "benchmarks/gpu_check.py": ['["nvidia-smi']}, started
+
+
 def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):
     """benchmarks.walk's counter on two hand-made files: a.f calls b.g twice (a -> b, back to a, b again, back to
     a): files a and b entered, 3 returns (2 into a, 1 into b); frames outside the root (here: none) pass through."""

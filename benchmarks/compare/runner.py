@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
 from benchmarks.compare.reader import damage
+from benchmarks.launch import STOPPED_BY, run_child
 from run_dir.run_config import load_run_config
 from run_dir.run_state import in_use, read_status
 from training_logs.records import TrainerRow, read_records
 from utils.config import WHERE_KEYS, Config, load_config
-from utils.errors import Interrupted, TrainingFault
-from utils.signals import PARENT_ENV
+from utils.errors import TrainingFault
 
 
 def resolved(config_path: str | Path, overrides: list[str]) -> dict:
@@ -76,58 +72,6 @@ def clear_run_dir(run_dir: Path) -> None:
     if holder:
         raise SystemExit(f"error: {run_dir} is in use by {holder}; stop that run or use another --out")
     shutil.rmtree(run_dir)
-
-
-# the run.py children alive now: a tool whose children run in worker threads (benchmarks.tune), where no
-# signal arrives as an exception, forwards its signal to them from the main thread (stop_children); after that no
-# child starts, so a stop that lands between two children (a resume that failed, the next trial) is not lost
-LIVE_CHILDREN: set[subprocess.Popen] = set()
-STOPPED_BY: list[int] = []
-CHILDREN_LOCK = threading.RLock()  # re-entrant: the signal handler may interrupt the main thread inside run_child
-
-
-def stop_children(signum: int) -> None:
-    """Forward a stop to every live child, once, and start no child after it (benchmarks.tune's signal handler)."""
-    with CHILDREN_LOCK:
-        STOPPED_BY.append(signum)
-        for child in list(LIVE_CHILDREN):
-            child.send_signal(signum)
-
-
-def allow_children() -> None:
-    """A new call of the tool (in the same process, as tests do): children may start again."""
-    with CHILDREN_LOCK:
-        STOPPED_BY.clear()
-
-
-def run_child(cmd: list[str], log_path: Path, append: bool = False) -> int:
-    """Run one run.py to its end. If the harness is stopped meanwhile, the child gets the same signal once (it
-    checkpoints and exits; SIGKILL after 120 s), so no orphan keeps training; once stopped, no child starts (the
-    exit code is then 128 + the signal, as a stopped child's). The child has a session of its own: a Ctrl-C at the
-    terminal reaches the harness alone, which passes it on, rather than both (a second signal would make the child
-    exit without its checkpoint). A harness that dies outright (SIGKILL) takes its children with it: each stops as on
-    SIGTERM, with its checkpoint (utils.signals.stop_with_parent), so no orphan trains on."""
-    with log_path.open("a" if append else "w") as log_file:
-        with CHILDREN_LOCK:
-            if STOPPED_BY:
-                return 128 + STOPPED_BY[0]
-            child = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, PARENT_ENV: str(os.getpid())})
-            LIVE_CHILDREN.add(child)
-        try:
-            return child.wait()
-        except BaseException as exc:
-            signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGTERM
-            if child.poll() is None:
-                child.send_signal(signum)
-                try:
-                    child.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
-            raise
-        finally:
-            LIVE_CHILDREN.discard(child)
 
 
 # What only the simulated clock reads (docs/clock.md): a finished run that differs in these alone has the same

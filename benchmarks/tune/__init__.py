@@ -49,16 +49,9 @@ from optuna.trial import TrialState
 from benchmarks.compare import compare
 from benchmarks.compare.options import Options, build_parser, made
 from benchmarks.compare.reader import read_run, value_at
-from benchmarks.compare.runner import (
-    STOPPED_BY,
-    RunFailed,
-    allow_children,
-    resolved,
-    run_variant,
-    stop_children,
-    warm_start,
-)
+from benchmarks.compare.runner import RunFailed, resolved, run_variant, warm_start
 from benchmarks.compare.variants import Variant, catalogue, custom, select
+from benchmarks.launch import STOPPED_BY, allow_children, stop_children
 from benchmarks.tune.claims import (
     StudyIdentity,
     claim,
