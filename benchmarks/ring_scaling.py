@@ -72,20 +72,20 @@ def worker(out: Path, repeats: int) -> None:
 
         def once(sync=sync, backend=backend, payload=payload):
             if sync.exact:
-                return backend._all_reduce(master["w"] - delta, members, "weights")
+                return backend.net.all_reduce(master["w"] - delta, members, "weights")
             if sync.ring:
                 return backend.ring.mean(master, payload, numel, members, list(members), None)
-            return backend._all_gather(payload, members, "weights")
+            return backend.net.all_gather(payload, members, "weights")
 
         once()  # warm-up: groups, buffers
-        before = backend.sent["weights"]
+        before = backend.net.sent["weights"]
         times = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             once()
             times.append(time.perf_counter() - start)
-        sent = (backend.sent["weights"] - before) / repeats
+        sent = (backend.net.sent["weights"] - before) / repeats
         everyone = [None] * n
         dist.all_gather_object(everyone, {"sent": sent, "seconds": statistics.median(times)})
         rows[scheme] = {"sent_per_rank": [e["sent"] for e in everyone],

@@ -34,8 +34,9 @@ says which). What crosses the network, per round:
   states to the survivor's first node the same way, and checkpoints bring every trainer to rank 0.
 - `evaluate`: each trainer is evaluated by one process that holds it; the metrics are gathered.
 
-`sent` counts what this rank's collectives send, by #7's definitions (ring all-reduce: 2 (n-1)/n of the
-payload per member; send/recv: the payload): weights traffic and batch-test statistics apart.
+The collectives' plumbing (groups, counting, liveness, what all ranks sent) is distributed/collectives.py's
+(`self.net`): it counts what this rank's collectives send, by #7's definitions (ring all-reduce: 2 (n-1)/n of the
+payload per member; send/recv: the payload), weights traffic and batch-test statistics apart.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from algorithms.calc_batch import NodeGradientSums
 from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, empty_wire
 from distributed import plain
-from distributed.liveness import CollectiveError, Liveness, collective, collective_failed
+from distributed.collectives import Collectives
+from distributed.liveness import CollectiveError, collective
 from distributed.mid_round import MidRound, MidRoundPlan, evaluated_round
 from distributed.node_round import advance, run_node, token_shares
 from distributed.protocol import NodeFault, RoundResult
@@ -60,7 +62,6 @@ from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import synchronous_round
 from node import Node, NodeJob, NodeResult, RoundAbandoned
 from trainers import Trainer
-from utils.errors import UserError
 
 
 class TorchrunBackend:
@@ -69,9 +70,9 @@ class TorchrunBackend:
     def __init__(self, nodes: list[Node], rank: int, shapes: dict[str, torch.Size], comm_device: str = "cpu",
                  store=None, master_device: str = "cpu", plan: CommPlan | None = None) -> None:
         self.nodes, self.rank = nodes, rank
+        self.net = Collectives(rank, comm_device, store)  # groups, counted collectives, liveness (collectives.py)
         self.plan = plan or CommPlan()  # how the round's results travel (algorithms/comm_plan.py)
         self.by_tokens = self.plan.by_tokens  # inner_steps_by_speed: nodes weigh in their trainer's mean by tokens
-        self.world_size = dist.get_world_size()
         self.names, self.shapes = sorted(shapes), shapes  # every floating tensor of the model, in a fixed order
         self.numel = sum(shapes[n].numel() for n in self.names)
         self.grad_numel = self.plan.sample_numel  # a gradient sample's length (trainable parameters, or sketch's k)
@@ -83,93 +84,8 @@ class TorchrunBackend:
         self.within_node = self.plan.within_node
         self.comm_device = comm_device  # NCCL reduces CUDA tensors; gloo CPU ones
         self.master_device = master_device  # where the trainers' masters (and so the node mean) live
-        self.liveness = Liveness(store, rank, self.world_size)  # who did not arrive, or ended first, on a failure
         self.ring = QuantizedRing(self.sync, rank, lambda tensor, sent, got, members, async_op=False:
-                                  self._all_to_all(tensor, sent, got, members, "weights", async_op))
-        self.groups: dict[tuple[int, ...], object] = {}
-        # bytes this rank sent over the run: the algorithm's weights traffic (#7), the batch tests'
-        # statistics, and trainers brought to rank 0 for checkpoints
-        # and (evaluation) the mid-round evaluations' means, which are the experimenter's, not the method's
-        self.sent = {"weights": 0.0, "statistics": 0.0, "checkpoint": 0.0, "evaluation": 0.0}
-        self.round_comm = no_comm()
-
-    def take_round_comm(self) -> dict:
-        """What the collectives since the last call cost this rank (seconds, bytes sent by kind)."""
-        comm, self.round_comm = self.round_comm, no_comm()
-        return comm
-
-    # -------------------------------------------------------------------------------------------
-    def _group(self, members: tuple[int, ...]):
-        """The process group of these ranks; every rank must ask for the same groups in the same order."""
-        if members not in self.groups:
-            with collective():
-                self.groups[members] = dist.new_group(list(members))
-        return self.groups[members]
-
-    def _count(self, kind: str, sent_bytes: float, seconds: float) -> None:
-        self.sent[kind] += sent_bytes  # a float: a ring's 2 (n-1)/n shares add up to whole bytes over the ranks
-        self.round_comm[f"{kind}_bytes"] += sent_bytes
-        if kind != "evaluation":  # an evaluation's collective is the experimenter's time, not the method's
-            self.round_comm["seconds"] += seconds
-
-    def _all_reduce(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> torch.Tensor:
-        """SUM over the group `members` (this rank among them); the result stays on the comm device."""
-        start = time.perf_counter()
-        on_device = tensor.to(self.comm_device)
-        with collective():
-            dist.all_reduce(on_device, group=self._group(members))
-            if on_device.is_cuda:  # NCCL returns at once: wait, so the seconds are the collective's
-                torch.cuda.synchronize(on_device.device)
-        n = len(members)
-        self._count(kind, 2 * (n - 1) / n * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
-        return on_device
-
-    def _all_to_all(self, tensor: torch.Tensor, in_splits: list[int], out_splits: list[int],
-                    members: tuple[int, ...], kind: str, async_op: bool = False):
-        """The member of group rank j (the j-th of the sorted members) gets in_splits[j] entries of `tensor`;
-        out_splits: what each sends this rank, in the same order. Returns (the received tensor, the work when
-        async_op). What this rank sends to the others is counted."""
-        start = time.perf_counter()
-        on_device = tensor.to(self.comm_device)
-        out = torch.empty(sum(out_splits), dtype=on_device.dtype, device=self.comm_device)
-        with collective():
-            work = dist.all_to_all_single(out, on_device, out_splits, in_splits, group=self._group(members),
-                                          async_op=async_op)
-            if not async_op and out.is_cuda:
-                torch.cuda.synchronize(out.device)
-        sent = (sum(in_splits) - in_splits[sorted(members).index(self.rank)]) * on_device.element_size()
-        self._count(kind, sent, 0.0 if async_op else time.perf_counter() - start)
-        return out, work
-
-    def _all_gather(self, tensor: torch.Tensor, members: tuple[int, ...], kind: str) -> list[torch.Tensor]:
-        """Every member's tensor (same size everywhere), in the order of `members`."""
-        start = time.perf_counter()
-        on_device = tensor.to(self.comm_device)
-        parts = [torch.empty_like(on_device) for _ in members]
-        with collective():
-            dist.all_gather(parts, on_device, group=self._group(members))
-            if on_device.is_cuda:
-                torch.cuda.synchronize(on_device.device)
-        self._count(kind, (len(members) - 1) * tensor.numel() * tensor.element_size(), time.perf_counter() - start)
-        return parts
-
-    def _failed(self, exc: RuntimeError, absent: list[int] | None = None) -> UserError:
-        """A failed collective in one line (distributed/liveness.py): the first cause a rank recorded, else who
-        ended first, or who did not arrive."""
-        live = self.liveness
-        return collective_failed(self.rank, exc, live.absent() if absent is None else absent, live.ended_first(),
-                                 live.first_cause())
-
-    def _gather(self, value) -> list:
-        """all_gather_object over the world, with an arrival mark first."""
-        self.liveness.arrive()
-        out: list = [None] * self.world_size
-        try:
-            with collective():
-                dist.all_gather_object(out, value)
-        except CollectiveError as exc:  # gloo / NCCL: a peer died, or a collective outlived dist_timeout_s
-            raise self._failed(exc) from None
-        return out
+                                  self.net.all_to_all(tensor, sent, got, members, "weights", async_op))
 
     # -------------------------------------------------------------------------------------------
     def _flat(self, state: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -190,14 +106,14 @@ class TorchrunBackend:
         try:
             return self._run_round(jobs, trainers, mid_round)
         except CollectiveError as exc:  # only a collective's own failure: any other error is this rank's own
-            raise self._failed(exc) from None
+            raise self.net.failed(exc) from None
 
     def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer], mid_round: MidRoundPlan | None):
         trainer_ids = sorted({j.trainer_id for j in jobs})
         members = {t: tuple(j.node_id for j in jobs if j.trainer_id == t) for t in trainer_ids}
         for t in trainer_ids:  # new groups are made collectively, in the same order everywhere
             if len(members[t]) > 1:
-                self._group(members[t])
+                self.net.group(members[t])
         # node_schedule: a rank whose node is away has no job; it idles, taking part in world collectives only
         job = next((j for j in jobs if j.node_id == self.rank), None)
         evaluations = None
@@ -214,7 +130,7 @@ class TorchrunBackend:
                 # scored by the trainer's first node, whatever became of it (distributed/mid_round.py)
                 "mid_round": evaluations.rows.get(mine, []) if evaluations is not None else [],
                 "has_samples": good and outcome.grad_samples is not None}
-        facts = sorted(self._gather(fact), key=lambda f: f["node_id"])
+        facts = sorted(self.net.gather(fact), key=lambda f: f["node_id"])
         if any(f["abandoned"] for f in facts):  # every rank leaves the round together
             raise RoundAbandoned("a stop was requested")
         faults = [NodeFault(**f["fault"]) for f in facts if f["fault"] is not None]
@@ -240,7 +156,7 @@ class TorchrunBackend:
         # The batch tests run on every rank: the trainer's first node shares its statistics' scalars.
         shared_statistics = {}
         if any(f["has_samples"] for f in facts):
-            shared = self._gather({mine: dataclasses.replace(statistics, mean=torch.empty(0))}
+            shared = self.net.gather({mine: dataclasses.replace(statistics, mean=torch.empty(0))}
                                   if statistics is not None and self.rank == members[mine][0] else {})
             shared_statistics = {t: s for part in shared for t, s in part.items()}
         scored = {f["trainer_id"]: f["mid_round"] for f in facts if f["mid_round"]}
@@ -297,11 +213,11 @@ class TorchrunBackend:
             size = wire.vectors_size(self.grad_numel, self.within_node)
             vectors = torch.zeros(size, dtype=wire.dtype, device=self.comm_device)
         if len(members) > 1:
-            vectors = ordered_sum(vectors, members, self.rank, partial(self._all_to_all, kind="statistics"))
+            vectors = ordered_sum(vectors, members, self.rank, partial(self.net.all_to_all, kind="statistics"))
         mean = wire.reduced_mean(vectors, self.within_node)
         scalars = share.scalars(mean) if have else torch.zeros(wire.scalars_size, dtype=torch.float64)
         if len(members) > 1:
-            scalars = ordered_sum(scalars, members, self.rank, partial(self._all_to_all, kind="statistics"))
+            scalars = ordered_sum(scalars, members, self.rank, partial(self.net.all_to_all, kind="statistics"))
         return wire.statistics(vectors.cpu(), scalars.cpu(), self.within_node)
 
     # -------------------------------------------------------------------------------------------
@@ -326,7 +242,7 @@ class TorchrunBackend:
                     flat = flat.to(self.comm_device)
                     with collective():
                         dist.send(flat, dst=target)
-                    self._count(kind, flat.numel() * flat.element_size(), time.perf_counter() - start)
+                    self.net.count(kind, flat.numel() * flat.element_size(), time.perf_counter() - start)
                 else:
                     if lossy:
                         flat = torch.empty(compression.payload_bytes(numel), dtype=torch.uint8, device=self.comm_device)
@@ -335,40 +251,26 @@ class TorchrunBackend:
                     with collective():
                         dist.recv(flat, src=source)
                     trainer.load_transfer(compression.compressor.decode(flat.cpu(), numel) if lossy else flat.cpu())
-                    self.round_comm["seconds"] += time.perf_counter() - start
+                    self.net.waited(time.perf_counter() - start)
             except CollectiveError as exc:
-                raise self._failed(exc, [source if self.rank == target else target]) from None
+                raise self.net.failed(exc, [source if self.rank == target else target]) from None
 
     def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator) -> dict:
         """trainer -> (node holding it, its weights): each trainer is evaluated by its holder; all get all."""
         mine = {t: evaluator.evaluate(weights) for t, (node, weights) in holders.items() if node == self.rank}
-        return {t: result for part in self._gather(mine) for t, result in part.items()}
+        return {t: result for part in self.net.gather(mine) for t, result in part.items()}
 
     def agree(self, flag: bool) -> bool:
-        """True on every rank when it is true on any (a stop request reaches ranks at different times)."""
-        value = torch.tensor([1.0 if flag else 0.0], device=self.comm_device)
-        self.liveness.arrive()
-        try:
-            with collective():
-                dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        except CollectiveError as exc:
-            raise self._failed(exc) from None
-        return bool(value.item())
+        return self.net.agree(flag)
 
     def gather_optimizer_states(self, local: dict | None) -> list:
-        return self._gather(local)
+        return self.net.gather(local)
 
     def total_sent(self) -> dict[str, int]:
-        """Bytes all ranks sent over the run, by kind: one all-reduce at the end."""
-        kinds = sorted(self.sent)
-        totals = torch.tensor([self.sent[k] for k in kinds], dtype=torch.float64, device=self.comm_device)
-        self.liveness.arrive()
-        try:
-            with collective():
-                dist.all_reduce(totals)
-        except CollectiveError as exc:
-            raise self._failed(exc) from None
-        return {k: int(round(float(v))) for k, v in zip(kinds, totals.cpu())}
+        return self.net.total_sent()
+
+    def take_round_comm(self) -> dict:
+        return self.net.take_round_comm()
 
     def close(self) -> None:
         pass
@@ -383,10 +285,6 @@ def trainer_result(group: list[dict], node_mean, statistics, outer_error: str, m
         node_step_losses={f["node_id"]: f["losses"] for f in group},
         learning_rate=group[0]["lr"], statistics=statistics, outer_error=outer_error,
         mid_round=mid_round)
-
-
-def no_comm() -> dict:
-    return {"seconds": 0.0, "weights_bytes": 0, "statistics_bytes": 0, "checkpoint_bytes": 0, "evaluation_bytes": 0}
 
 
 class _Collectives:
@@ -412,13 +310,13 @@ class _Collectives:
         nbytes = on_device.numel() * on_device.element_size()
         if backend.sync.exact:
             with collective():
-                work = dist.all_reduce(on_device, group=backend._group(members), async_op=True)
-            backend._count("weights", 2 * (n - 1) / n * nbytes, 0.0)
+                work = dist.all_reduce(on_device, group=backend.net.group(members), async_op=True)
+            backend.net.count("weights", 2 * (n - 1) / n * nbytes, 0.0)
             return work, on_device
         parts = [torch.empty_like(on_device) for _ in members]
         with collective():
-            work = dist.all_gather(parts, on_device, group=backend._group(members), async_op=True)
-        backend._count("weights", (n - 1) * nbytes, 0.0)
+            work = dist.all_gather(parts, on_device, group=backend.net.group(members), async_op=True)
+        backend.net.count("weights", (n - 1) * nbytes, 0.0)
         return work, parts
 
     def land(self, handle: tuple):
@@ -433,7 +331,7 @@ class _Collectives:
                     torch.cuda.synchronize(backend.comm_device)
         if isinstance(arrived, RingHalf):
             arrived = backend.ring.land_fragment(arrived, members, backend.master_device)
-        backend.round_comm["seconds"] += time.perf_counter() - start
+        backend.net.waited(time.perf_counter() - start)
         if isinstance(arrived, list):  # gathered in member order: into node-id order, as the simulation sums
             return [arrived[members.index(n)] for n in sorted(members)]
         if len(members) == 1 and not backend.sync.exact:
@@ -450,7 +348,7 @@ class _GroupWeights:
         self.backend, self.members = backend, members
 
     def sum(self, total: torch.Tensor) -> torch.Tensor:
-        return self.backend._all_reduce(total, self.members, "weights") if len(self.members) > 1 else total
+        return self.backend.net.all_reduce(total, self.members, "weights") if len(self.members) > 1 else total
 
     def _own(self, local: dict[int, torch.Tensor | None]) -> torch.Tensor:
         payload, backend = local[self.backend.rank], self.backend
@@ -459,7 +357,7 @@ class _GroupWeights:
 
     def payloads(self, local: dict[int, torch.Tensor | None], good_ids: list[int]) -> list[torch.Tensor]:
         payload = self._own(local)
-        parts = self.backend._all_gather(payload, self.members, "weights") if len(self.members) > 1 else [payload]
+        parts = self.backend.net.all_gather(payload, self.members, "weights") if len(self.members) > 1 else [payload]
         return [parts[self.members.index(g)] for g in good_ids]
 
     def ring_mean(self, master: dict[str, torch.Tensor], local: dict[int, torch.Tensor | None], good_ids: list[int],
@@ -485,7 +383,7 @@ class _States:
             flags[members.index(backend.rank)] = 1.0
         wire = torch.cat([backend._flat(state), flags])
         if len(members) > 1:
-            wire = ordered_sum(wire, members, backend.rank, partial(backend._all_to_all, kind="evaluation"))
+            wire = ordered_sum(wire, members, backend.rank, partial(backend.net.all_to_all, kind="evaluation"))
         offered = [m for m, flag in zip(members, wire[-len(members):].tolist()) if flag]
         if backend.rank != min(members) or not offered:
             return None
@@ -509,7 +407,7 @@ class _Gradients:
             wire = torch.zeros(backend.grad_params + 1, dtype=torch.float32, device=backend.comm_device)
         else:
             wire = torch.cat([grad.to(backend.comm_device), torch.ones(1, device=backend.comm_device)])
-        total = backend._all_reduce(wire, self.members, "weights")
+        total = backend.net.all_reduce(wire, self.members, "weights")
         count = float(total[-1])
         return total[:-1] / count if count else None
 
@@ -520,7 +418,7 @@ class _Gradients:
         flat = backend._flat(outcome.state if outcome is not None else None)
         if len(good_ids) < len(self.members):
             with collective():
-                dist.broadcast(flat, src=min(good_ids), group=backend._group(self.members))
+                dist.broadcast(flat, src=min(good_ids), group=backend.net.group(self.members))
         return backend._unflat(flat.to(backend.master_device))
 
 
