@@ -58,8 +58,11 @@ class Ledgers:
         record.event["sim_time_s"] = ready
 
     def _seen(self, value: float, when: float) -> None:
-        """The best metric of any model evaluated, and (target_metric) the first simulated time a model reached it."""
-        self.state.seen(value, self.higher_is_better)
+        """The best metric of any model evaluated (kept in the state, which checkpoints it), and (target_metric) the
+        first simulated time a model reached it."""
+        best = self.state.best_seen
+        if math.isfinite(value) and (best is None or (value > best) == self.higher_is_better):
+            self.state.best_seen = value
         target = self.target_metric
         if not target or self.time_to_target is not None or not math.isfinite(value):
             return

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import random
 
 import numpy as np
@@ -60,11 +59,6 @@ class ClusterState:
         No node yet: every process has it (the common initial weights, or a checkpoint all loaded)."""
         version = (trainer_id, self.trainers[trainer_id].weights_version)
         return min((n for n, held in self.holds.items() if held == version), default=0)
-
-    def seen(self, value: float, higher_is_better: bool) -> None:
-        better = self.best_seen is None or (value > self.best_seen) == higher_is_better
-        if math.isfinite(value) and better:
-            self.best_seen = value
 
     # -------------------------------------------------------------------------------------------
     def snapshot(self, rollback: bool = True) -> dict:
