@@ -150,6 +150,20 @@ class Node:
             copies.synchronize()  # host readers (checkpoints, the trainer's mean) see the copied values
         self.resident = False
 
+    @contextlib.contextmanager
+    def on_device(self, leave: bool = True):
+        """offload_idle_nodes: the node's weights and optimizer state on its device for the block, and back in host
+        memory when the block ends, by an error too (leave=False: they stay on the device). Without offloading
+        nothing moves. A whole round runs in one (distributed/node_round.py: run_node, its result encoded before
+        the state leaves); a round driven pause by pause (advance) releases the node at its end and at the pauses
+        where only its weights are read, and moves it back in when it goes on."""
+        self._load_in()
+        try:
+            yield
+        finally:
+            if leave:
+                self.release()
+
     @torch.no_grad()
     def _load_in(self) -> None:
         """The weights and optimizer state back on the device (from their host buffers, which stay)."""
@@ -183,14 +197,11 @@ class Node:
         if state is None or self.model is None:
             self.optimizer, self.scaler = None, None
             return
-        idle = not self.resident
-        self._load_in()  # the optimizer is made where it computes (fused AdamW on CUDA), as in a round
-        self._new_optimizer()
-        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "scaler"})
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        if idle:
-            self.release()
+        with self.on_device(leave=not self.resident):  # made where it computes (fused AdamW on CUDA), as in a round
+            self._new_optimizer()
+            self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "scaler"})
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
 
     def _new_optimizer(self) -> None:
         self.optimizer = self.make_optimizer(self.params)
@@ -240,18 +251,17 @@ class Node:
     def warm_up(self) -> int:
         """compile: every bucket's forward and backward compiled now, before training; the number of buckets. The
         weights do not change (no optimizer step; the gradients are dropped) and no RNG is drawn."""
-        self._load_in()
-        self.model.train()
-        length = self.data.input_ids.shape[1]
-        for rows in self.buckets:
-            ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
-            labels = ids.clone()  # a tensor of its own, as in training (dynamo guards on aliasing)
-            with self.precision.autocast(self.device):  # the call training makes (the same kwargs: one graph)
-                loss = self.forward(input_ids=ids, attention_mask=None, labels=labels).loss
-            loss.backward()
-        for p in self.params:
-            p.grad = None
-        self.release()
+        with self.on_device():
+            self.model.train()
+            length = self.data.input_ids.shape[1]
+            for rows in self.buckets:
+                ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
+                labels = ids.clone()  # a tensor of its own, as in training (dynamo guards on aliasing)
+                with self.precision.autocast(self.device):  # the call training makes (the same kwargs: one graph)
+                    loss = self.forward(input_ids=ids, attention_mask=None, labels=labels).loss
+                loss.backward()
+            for p in self.params:
+                p.grad = None
         return len(self.buckets)
 
     def _flat_grad(self) -> torch.Tensor:
@@ -319,7 +329,7 @@ class Node:
         while job.inject_fault == "hang":  # a stuck node: only a stop (or torchrun's kill) ends it
             if self.stop.wait(0.1):
                 raise RoundAbandoned(f"node {self.node_id} stopped while hanging (inject_fault)")
-        self._load_in()  # offload_idle_nodes: the node's state comes in for its inner steps
+        self._load_in()  # offload_idle_nodes: the node's state comes in for its inner steps (run_node, advance: out)
         if job.reset_optimizer or self.optimizer is None:
             self._new_optimizer()
         if not job.keep_local:

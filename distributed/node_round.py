@@ -47,26 +47,23 @@ def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeRes
     """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes).
     A compressed outer sync encodes the node's pseudo-gradient here, on the node, and updates its residual
     (a round that is rolled back restores the residual with the rest of the round's state)."""
-    try:
-        result = node.run(job)
-    except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
-        node.release()
-        raise
-    except Exception as exc:  # a node fault, handled by the on_node_fault policy
-        node.release()
-        return failed(job, exc)
-    return finished(job, result, node, sync)
+    with node.on_device():  # offload_idle_nodes: out once the round ended and its result is encoded
+        try:
+            result = node.run(job)
+        except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
+            raise
+        except Exception as exc:  # a node fault, handled by the on_node_fault policy
+            return failed(job, exc)
+        return finished(job, result, node, sync)
 
 
 def finished(job: NodeJob, result: NodeResult, node: Node | None, sync: OuterSync | None) -> NodeResult | NodeFault:
     """A node's round that ended: its NodeFault if its numbers are not finite; else its result, with a compressed
-    outer sync's pseudo-gradient encoded on the node (its residual updated). The node is released
-    (offload_idle_nodes: its state leaves the device before the next node computes)."""
+    outer sync's pseudo-gradient encoded on the node (its residual updated), before the node is released
+    (offload_idle_nodes: its state leaves the device before the next node computes; the callers release it)."""
     fault = _checked(job, result)
     if fault is None and sync is not None and not sync.exact and node is not None:
         result.payload, node.residual = sync.encode(job.master, result.state, node.residual, job.flat_master)
-    if node is not None:
-        node.release()
     return fault or result
 
 
@@ -93,7 +90,10 @@ def advance(round_steps, job: NodeJob, node: Node | None = None, sync: OuterSync
         if node is not None:
             node.release()
         return failed(job, exc)
-    return finished(job, result, node, sync)
+    outcome = finished(job, result, node, sync)
+    if node is not None:
+        node.release()
+    return outcome
 
 
 def token_shares(tokens: list[float]) -> list[float]:
