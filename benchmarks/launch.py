@@ -100,15 +100,8 @@ def run_child(cmd: list[str], log: Path | None = None, append: bool = False, env
     124 when it ran past `timeout` seconds and was stopped, as `timeout(1)` says)."""
     try:
         with child(cmd, log, append, env) as proc:
-            try:
-                return proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                return 124
+            return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # `child` stopped it on the way out, as on any error
+        return 124
     except Stopped as stopped:
         return 128 + stopped.signum
