@@ -42,7 +42,6 @@ with pip and the Hugging Face Hub offline). Without CUDA it exits 2 with one lin
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import json
 import os
@@ -57,6 +56,7 @@ from pathlib import Path
 
 from benchmarks.launch import run_child
 from benchmarks.tables import cell
+from training_logs.memory_monitor import device_peak_mib
 from training_logs.records import TrainerRow, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,12 +311,6 @@ def curves_step(step: Step, run, out: Path, python: str) -> str:
     return text
 
 
-def peak_mib(run_dir: Path) -> float:
-    """The largest allocator peak of the card in the run's memory log (every stage, the probe's included)."""
-    with (run_dir / "model_training_report" / "memory_log.csv").open() as f:
-        return max(float(row[k]) for row in csv.DictReader(f) for k in row if k.endswith("_peak_mib") and row[k])
-
-
 def memory_checks(run, runs: Path, python: str, limit: float) -> tuple[dict, str]:
     """Each paper reading's short round: planned bytes (summary.json's plan at the probed batch) against the measured
     peak, and tokens/s; a reading that failed holds its error line."""
@@ -332,7 +326,7 @@ def memory_checks(run, runs: Path, python: str, limit: float) -> tuple[dict, str
             continue
         summary = json.loads((runs / name / "summary.json").read_text())
         planned = summary["memory_plan"]["devices"][0]["planned_bytes"] / 2**20
-        peak = peak_mib(runs / name)
+        peak = device_peak_mib(runs / name)
         detail[name] = {"planned_mib": planned, "peak_mib": peak, "accuracy": 1 - abs(peak - planned) / planned,
                         "tokens_per_s": summary["tokens_seen"] / summary["wall_time_s"],
                         "wall_s": summary["wall_time_s"], "micro_batch": summary["memory_plan"]["micro_batch"]}

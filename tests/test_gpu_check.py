@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import gpu_check
 from tests.conftest import ROOT
+from training_logs.memory_monitor import device_peak_mib
 from utils.config import load_config
 
 
@@ -158,7 +159,7 @@ def test_the_memory_step_sets_the_peak_against_the_plan(tmp_path):
     def run(name, cmd, limit):
         assert "max_batch_size=8" in cmd and "initial_batch_size=8" in cmd  # plan and round at one micro-batch
         planned, peak, wall = given[name]
-        report = tmp_path / name / "model_training_report"
+        report = tmp_path / name / "memory_report"  # where run.py writes memory_log.csv
         report.mkdir(parents=True)
         (tmp_path / name / "summary.json").write_text(json.dumps({
             "memory_plan": {"devices": [{"planned_bytes": planned}], "micro_batch": 8},
@@ -181,6 +182,19 @@ def test_the_memory_step_sets_the_peak_against_the_plan(tmp_path):
     assert targets["offloaded_over_resident"]["met"]
 
 
+def test_the_peak_is_read_from_where_a_run_writes_its_memory_log(tmp_path):
+    """The H200's record of 2026-11-28: the resident 4-node reading's memory_log.csv (memory_report/, where
+    run_dir/lifecycle.py puts it; the check once looked in model_training_report/). Its largest peak: 49041.3 MiB."""
+    import shutil
+
+    recorded = ROOT / "benchmarks/results/gpu_check/2026-11-28_h200/1_full/runs/paper_4_nodes/memory_log.csv"
+    (tmp_path / "memory_report").mkdir()
+    shutil.copy(recorded, tmp_path / "memory_report" / "memory_log.csv")
+    assert device_peak_mib(tmp_path) == 49041.3
+    (tmp_path / "memory_report" / "memory_log.csv").write_text("outer_step,stage,process_rss_mib\n1,round_peak,9\n")
+    assert device_peak_mib(tmp_path) == 0.0  # a CPU run has no device peak
+
+
 def test_offloading_is_projected_to_the_papers_h_from_the_recorded_h200_rounds():
     """The H200 of 2026-11-28: one 5-step round of the 4-node reading took 3.355 s resident and 8.914 s offloaded
     (0.38x at H = 5); at H = 200 the compute is 40 x 3.355 = 134.2 s and the moves 5.559 s: 0.960x."""
@@ -198,7 +212,7 @@ def test_a_reading_the_memory_plan_refuses_is_recorded_as_refused_not_failed(tmp
     def run(name, cmd, limit):
         if name == "paper_16_nodes":
             return 1, "data: ...\n" + refusal
-        report = tmp_path / "runs" / name / "model_training_report"  # run_step's runs directory
+        report = tmp_path / "runs" / name / "memory_report"  # run_step's runs directory
         report.mkdir(parents=True)
         (tmp_path / "runs" / name / "summary.json").write_text(json.dumps({
             "memory_plan": {"devices": [{"planned_bytes": 10 * 2**30}], "micro_batch": 8},

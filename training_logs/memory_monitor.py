@@ -20,6 +20,14 @@ MiB = float(1 << 20)
 STAGES = ("before_round", "round_peak", "after_outer_step", "after_merge")
 
 
+def device_peak_mib(run_dir: Path) -> float:
+    """A finished run's largest allocator peak over its rounds and devices (memory_report/memory_log.csv; the peak is
+    reset at each round's start, so the max-batch probe before training is not in it). 0.0 on a run without CUDA."""
+    with (run_dir / "memory_report" / "memory_log.csv").open(newline="") as f:
+        return max((float(row[k]) for row in csv.DictReader(f) for k in row if k.endswith("_peak_mib") and row[k]),
+                   default=0.0)
+
+
 class MemoryMonitor:
     def __init__(self, out_dir: Path, devices: list[str], tracker: Tracker, interval_s: float = 0.05,
                  resume_step: int | None = None) -> None:
