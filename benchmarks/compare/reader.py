@@ -10,8 +10,10 @@ from pathlib import Path
 
 import yaml
 
+from run_dir.run_config import load_run_config
 from training_logs.alive import models_alive
 from training_logs.records import InnerEval, MergeEvent, TrainerRow, read_records
+from utils import run_plan
 from utils.config import Config
 
 
@@ -19,7 +21,6 @@ def damage(run_dir: Path) -> str | None:
     """What keeps a finished run (one with a summary.json) from being read back, in words, or None: a summary.json
     that is not JSON or lacks its metric, a config.yaml that is not a valid config, a training_log.csv that is
     missing, truncated (a row shorter than its header) or holds a cell that is not a number."""
-    from run_dir.run_config import load_run_config
     from utils.errors import UserError
 
     try:
@@ -59,9 +60,9 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     metric = summary["metric"]
     pick = max if metric == "val_accuracy" else min
     merge_at = {m.outer_step: m for m in merges}
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    decides = _statistics_decide(config)
-    inner_steps = int(config.get("num_inner_steps", 1))
+    cfg = load_run_config(run_dir / "config.yaml")  # through run_dir's migration, as the run itself reads it
+    decides = run_plan.batch_test_of(cfg).uses_statistics  # whether its batch test decides with the statistics
+    inner_steps = cfg.num_inner_steps
     by_step: dict[int, list[TrainerRow]] = {}
     for r in rows:
         by_step.setdefault(r.outer_step, []).append(r)
@@ -128,14 +129,6 @@ def fine_curve(curve: list[dict], evaluations: list[InnerEval], metric: str, inn
                        "tokens": max(r.global_tokens for r in rows), "steps": (step - 1) * inner_steps + j,
                        "sim_time": before["sim_time"] + share * (after["sim_time"] - before["sim_time"])})
     return sorted(points, key=lambda p: p["step"])
-
-
-def _statistics_decide(config: dict) -> bool:
-    """Whether the run's batch schedule decides with the statistics (else they were sent for the log only)."""
-    from algorithms.calc_batch import BATCH_TESTS
-
-    test = BATCH_TESTS.get(config.get("sampling_method", ""))
-    return test is not None and test.uses_statistics
 
 
 def total_traffic_bytes(row: TrainerRow, decides: bool) -> int:
