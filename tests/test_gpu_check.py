@@ -147,6 +147,14 @@ def test_every_run_the_check_makes_is_a_valid_config():
         assert cfg.total_nodes in (4, 16) and (cfg.offload_idle_nodes == (cfg.total_nodes == 16 or bool(extra)))
 
 
+def training_log(run_dir, walls):
+    """A training_log.csv with two trainers' rows per outer step, each step ending at its cumulative wall_time."""
+    report = run_dir / "model_training_report"
+    report.mkdir(parents=True, exist_ok=True)
+    rows = [f"{step},{t},{wall}" for step, wall in enumerate([0.0, *walls]) for t in (0, 1)]
+    (report / "training_log.csv").write_text("outer_step,trainer_id,wall_time\n" + "\n".join(rows) + "\n")
+
+
 def test_the_memory_step_sets_the_peak_against_the_plan(tmp_path):
     """Each reading's planned bytes (summary.json) against the peak of its memory log; the targets take the worse
     reading, and the offloaded 4-node reading against the resident one projected to the paper's H = 200."""
@@ -154,16 +162,17 @@ def test_the_memory_step_sets_the_peak_against_the_plan(tmp_path):
 
     gib = 2**30
     given = {"paper_4_nodes": (30 * gib, 31 * 1024, 10.0), "paper_16_nodes": (45 * gib, 40 * 1024, 30.0),
-             "paper_4_nodes_offloaded": (20 * gib, 20 * 1024, 20.0)}  # planned bytes, peak MiB, wall seconds
+             "paper_4_nodes_offloaded": (20 * gib, 20 * 1024, 20.0)}  # planned bytes, peak MiB, second round's s
 
     def run(name, cmd, limit):
         assert "max_batch_size=8" in cmd and "initial_batch_size=8" in cmd  # plan and round at one micro-batch
-        planned, peak, wall = given[name]
+        planned, peak, second = given[name]
         report = tmp_path / name / "memory_report"  # where run.py writes memory_log.csv
         report.mkdir(parents=True)
         (tmp_path / name / "summary.json").write_text(json.dumps({
             "memory_plan": {"devices": [{"planned_bytes": planned}], "micro_batch": 8},
-            "tokens_seen": 20480, "wall_time_s": wall}))
+            "tokens_seen": 20480, "wall_time_s": 7.0 + second}))
+        training_log(tmp_path / name, [7.0, 7.0 + second])  # a first round of 7 s (pinned buffers allocated)
         with (report / "memory_log.csv").open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["stage", "cuda:0_peak_mib"])
@@ -177,7 +186,8 @@ def test_the_memory_step_sets_the_peak_against_the_plan(tmp_path):
     targets = gpu_check.targets_of(steps)
     assert targets["memory_plan_accuracy"]["measured"] == pytest.approx(1 - 5 / 45)
     assert targets["memory_plan_accuracy"]["met"] is False  # 11% off on the 16-node reading
-    # by hand: 5 steps in 10 s resident -> 400 s of compute at H = 200; offloading adds 10 s a round: 400 / 410
+    # by hand, the second rounds: 5 steps in 10 s resident -> 400 s of compute at H = 200; offloading adds 10 s a
+    # round: 400 / 410 (the first rounds, 7 s each, do not count)
     assert targets["offloaded_over_resident"]["measured"] == pytest.approx(400 / 410)
     assert targets["offloaded_over_resident"]["met"]
 
@@ -193,6 +203,20 @@ def test_the_peak_is_read_from_where_a_run_writes_its_memory_log(tmp_path):
     assert device_peak_mib(tmp_path) == 49041.3
     (tmp_path / "memory_report" / "memory_log.csv").write_text("outer_step,stage,process_rss_mib\n1,round_peak,9\n")
     assert device_peak_mib(tmp_path) == 0.0  # a CPU run has no device peak
+
+
+def test_a_rounds_seconds_come_from_the_recorded_training_log(tmp_path):
+    """The H200's one-round readings of 2026-11-28: the last outer step's wall seconds are its cumulative wall_time
+    less the step before's (here outer step 0, at 0)."""
+    import shutil
+
+    for name, seconds in (("paper_4_nodes", 3.35362), ("paper_4_nodes_offloaded", 8.91185)):
+        (tmp_path / name / "model_training_report").mkdir(parents=True)
+        shutil.copy(ROOT / "benchmarks/results/gpu_check/2026-11-28_h200/1_full/runs" / name / "training_log.csv",
+                    tmp_path / name / "model_training_report" / "training_log.csv")
+        assert gpu_check.second_round_s(tmp_path / name) == pytest.approx(seconds)
+    training_log(tmp_path / "two", [8.9, 11.0])
+    assert gpu_check.second_round_s(tmp_path / "two") == pytest.approx(2.1)
 
 
 def test_offloading_is_projected_to_the_papers_h_from_the_recorded_h200_rounds():
@@ -218,6 +242,7 @@ def test_a_reading_the_memory_plan_refuses_is_recorded_as_refused_not_failed(tmp
             "memory_plan": {"devices": [{"planned_bytes": 10 * 2**30}], "micro_batch": 8},
             "tokens_seen": 100, "wall_time_s": 1.0}))
         (report / "memory_log.csv").write_text("stage,cuda:0_peak_mib\nround_peak,9728\n")
+        training_log(tmp_path / "runs" / name, [0.5, 1.0])
         return 0, ""
 
     step = gpu_check.Step("memory", "memory", 110)
