@@ -148,6 +148,14 @@ def fault_section(faults: list[dict] | tuple) -> list[str]:
 def write_outputs(report: dict, results: dict, args: Options, out: Path, faults: list[dict] | tuple = ()) -> str:
     """comparison.md and its CSV files. faults: runs that stopped on a training fault (runner.fault_row), listed in
     faults.csv and their own section; every other table is over each variant's seeds that finished."""
+    write_tables(report, results, out, faults)
+    text = comparison_markdown(report, results, args, out, faults)
+    (out / "comparison.md").write_text(text)
+    return text
+
+
+def write_tables(report: dict, results: dict, out: Path, faults: list[dict] | tuple) -> None:
+    """The report's machine-readable tables: faults.csv, comparison.csv, budgets.csv, merges.csv (each replaced)."""
     with (out / "faults.csv").open("w", newline="") as f:  # written every time: no stale list from an earlier call
         w = csv.DictWriter(f, fieldnames=FAULT_COLUMNS)
         w.writeheader()
@@ -168,6 +176,10 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
                 for m in r["merges"]:
                     w.writerow([name, r.get("seed", i), " ".join(f"{v:.6g}" for v in m["before"]), m["weighted"],
                                 m["after"]])
+
+
+def comparison_markdown(report: dict, results: dict, args: Options, out: Path, faults: list[dict] | tuple) -> str:
+    """comparison.md's text: the tables for a reader, their definitions, and the figures (drawn into `out`)."""
     metric = report["metric"]
     warm = f"; warm start: {args.warm_from}" if args.warm_from else ""
     lines = [f"# AdLoCo comparison ({datetime.now():%Y-%m-%d})", "",
@@ -225,6 +237,4 @@ def write_outputs(report: dict, results: dict, args: Options, out: Path, faults:
     if args.cluster:
         lines += ["", *clock_report(results, metric, args)]
     lines += ["", *network_report(results, metric, args, out)]
-    text = "\n".join(lines) + "\n"
-    (out / "comparison.md").write_text(text)
-    return text
+    return "\n".join(lines) + "\n"
