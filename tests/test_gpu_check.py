@@ -289,3 +289,17 @@ def test_two_recorded_runs_are_compared_by_decisions_and_perplexity(tmp_path):
     assert compared["same_decisions"] and compared["within"]
     assert compared["max_rel_perplexity_difference"] == pytest.approx(0.0005, rel=1e-9)  # 0.05 / 100
     assert not gpu_check.compare_runs(tmp_path / "a", tmp_path / "b", 1e-4)["within"]
+
+
+def test_the_cuda_tests_step_reads_the_recorded_pytest_summary():
+    """The H200's cuda_tests log of 2026-11-28 (13 passed, the stacked test stopped by the budget): the step counts
+    each outcome from pytest's summary line and fails; its command asks pytest for each test's seconds."""
+    log = (ROOT / "benchmarks/results/gpu_check/2026-11-28_h200/1_full/logs/cuda_tests.log").read_text()
+
+    def run(name, cmd, limit):
+        assert cmd[1:4] == ["-m", "pytest", "-q"] and "--durations=0" in cmd and limit == 130
+        return 1, log
+
+    step = gpu_check.Step(*next(s for s in gpu_check.STEPS if s[0] == "cuda_tests"))
+    gpu_check.run_step(step, run, ROOT, sys.executable)
+    assert step.detail == {"failed": 1, "passed": 13, "deselected": 559} and step.ok is False
