@@ -42,16 +42,17 @@ def trials_of(storage, name="diloco_b2"):
 
 def test_points_are_one_halton_sequence_mapped_onto_each_space():
     cfg = load_config(ROOT / "config.yaml", ["lr_inner=0.003"])
-    space = (LR_INNER, ETA)
-    # relative bounds: 0.1x to 50x the regime's lr, rounded to 4 digits; ETA absolute
-    assert LR_INNER.bounds(cfg) == (0.0003, 0.15) and ETA.bounds(cfg) == (0.3, 3.0)
+    momentum = Knob("outer_momentum", 0.5, 0.95)  # a uniform knob (ETA is log-uniform since its third edge)
+    space = (LR_INNER, momentum)
+    # relative bounds: 0.1x to 50x the regime's lr, rounded to 4 digits; the others absolute
+    assert LR_INNER.bounds(cfg) == (0.0003, 0.15) and ETA.bounds(cfg) == (0.3, 10.0) and ETA.log
     whole = qmc.Halton(d=2, scramble=True, seed=SEQUENCE_SEED).random(6)
     for i in range(6):  # point i does not depend on which points were drawn before it (any worker, any order)
         assert unit_point(i, 2) == pytest.approx(list(whole[i]), abs=1e-12)
         u = unit_point(i, 2)
         params = point_params(i, space, cfg)
         assert params["lr_inner"] == float(f"{0.0003 * 500 ** u[0]:.4g}")  # log-uniform
-        assert params["ETA"] == float(f"{0.3 + 2.7 * u[1]:.4g}")  # uniform
+        assert params["outer_momentum"] == float(f"{0.5 + 0.45 * u[1]:.4g}")  # uniform
     points = [tuple(point_params(i, space, cfg).values()) for i in range(8)]
     assert len(set(points)) == 8
     # the sequence fills the space evenly: axis 1 (base 2) puts 4 of the first 8 points in each half, axis 2 (base 3)
