@@ -266,8 +266,7 @@ class Node:
 
     def _flat_grad(self) -> torch.Tensor:
         """The accumulated gradient as one fp32 vector, without the fp16 loss scale."""
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-        flat = flat.float()  # the cat's own tensor (or its fp32 copy): unscaled in place, one model-sized copy
+        flat = self.gradients()  # a new tensor: unscaled in place, one model-sized copy
         return flat.div_(self.scaler.get_scale()) if self.scaler is not None else flat
 
     def gradients(self) -> torch.Tensor:
