@@ -92,6 +92,8 @@ class Node:
         self.make_optimizer, self.grad_clip, self.data = make_optimizer, grad_clip, data
         self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         self.precision = precision
+        # the context every forward pass runs in, made once: entered per micro-batch, never by two threads at once
+        self.autocast = precision.autocast(device)
         # compiled once, here: the wrapper shares the replica's parameters, so weights still load into `model`
         # (one graph per shape: micro-batches come in buckets, each compiled before training by `warm_up`)
         self.forward = (torch.compile(model, backend=compile_backend, dynamic=False)
@@ -222,7 +224,7 @@ class Node:
                     labels = self._to_device(self.data.labels[idx])
                 else:  # language modelling: padding is excluded from the loss
                     labels = ids.masked_fill(mask == 0, -100)
-        with self.precision.autocast(self.device):
+        with self.autocast:
             loss = self.forward(input_ids=ids, attention_mask=mask, labels=labels).loss
         scaled = loss * scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
@@ -257,7 +259,7 @@ class Node:
             for rows in self.buckets:
                 ids = torch.zeros(rows, length, dtype=torch.long, device=self.device)
                 labels = ids.clone()  # a tensor of its own, as in training (dynamo guards on aliasing)
-                with self.precision.autocast(self.device):  # the call training makes (the same kwargs: one graph)
+                with self.autocast:  # the call training makes (the same kwargs: one graph)
                     loss = self.forward(input_ids=ids, attention_mask=None, labels=labels).loss
                 loss.backward()
             for p in self.params:

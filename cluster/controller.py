@@ -114,8 +114,8 @@ class ClusterController:
         label = label or f"outer_step_{step:04d}"
         final = FinalModel(final_id, self.evaluator.model, self.data.tokenizer) if final_id is not None else None
         # under torchrun, rank 0 writes every trainer: those it does not hold come to it first
-        self.backend.transfer([(t, self.state.holder(t), 0) for t in sorted(self.trainers)], self.trainers,
-                              "checkpoint")
+        holders = self.state.holders(sorted(self.trainers))
+        self.backend.transfer([(t, node, 0) for t, node in holders.items()], self.trainers, "checkpoint")
         state = self.state_dict()
         path = self.weights_dir / label
         if self.writes:

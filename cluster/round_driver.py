@@ -94,7 +94,7 @@ class RoundDriver:
         return self.state.trainers
 
     def evaluate(self, trainer_ids) -> dict[int, EvalResult]:
-        holders = {t: (self.state.holder(t), self.trainers[t].master) for t in trainer_ids}
+        holders = {t: (node, self.trainers[t].master) for t, node in self.state.holders(trainer_ids).items()}
         return self.backend.evaluate(holders, self.evaluator)
 
     # -------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class RoundDriver:
         slowdown = schedule.slowdown(outer_step)
         jobs, moves = [], []
         self.record.slowdown = slowdown
-        sources = {t: state.holder(t) for t in assignment}  # before this round changes holds
+        sources = state.holders(assignment)  # before this round changes holds
         for node_id in away:  # it may hand its state on now; its copy goes stale as its trainer trains on
             state.holds[node_id] = STALE
         for t in sorted(assignment):
@@ -298,7 +298,8 @@ class RoundDriver:
         coordinator = min((n for n, t in state.owner.items() if t == plan.survivor),
                           default=state.holder(plan.survivor))
         payloads = [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others]
-        self.backend.transfer([(m, state.holder(m), coordinator) for m in plan.members[1:]], self.trainers,
+        holders = state.holders(plan.members[1:])
+        self.backend.transfer([(m, holders[m], coordinator) for m in plan.members[1:]], self.trainers,
                               compression=self.merge_sync)
         survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used
         for other in others:

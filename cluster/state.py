@@ -57,8 +57,15 @@ class ClusterState:
     def holder(self, trainer_id: int) -> int:
         """The lowest node holding this trainer's current state (under torchrun: a process that has it).
         No node yet: every process has it (the common initial weights, or a checkpoint all loaded)."""
-        version = (trainer_id, self.trainers[trainer_id].weights_version)
-        return min((n for n, held in self.holds.items() if held == version), default=0)
+        return self.holders([trainer_id])[trainer_id]
+
+    def holders(self, trainer_ids) -> dict[int, int]:
+        """holder() of each of these trainers, answered at once (a round asks for all of them)."""
+        lowest: dict[tuple[int, int], int] = {}
+        for n, held in sorted(self.holds.items(), reverse=True):
+            if held is not None:
+                lowest[held] = n
+        return {t: lowest.get((t, self.trainers[t].weights_version), 0) for t in trainer_ids}
 
     # -------------------------------------------------------------------------------------------
     def snapshot(self, rollback: bool = True) -> dict:

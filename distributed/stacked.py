@@ -116,7 +116,8 @@ class StackedGroup:
         self.nodes, self.jobs, self.stacks = nodes, jobs, stacks
         self.n = len(nodes)
         self.base = nodes[0].model  # its module structure runs every node's weights (functional_call)
-        self.device, self.data, self.precision = nodes[0].device, nodes[0].data, nodes[0].precision
+        self.device, self.data = nodes[0].device, nodes[0].data
+        self.autocast = nodes[0].precision.autocast(self.device)  # the stack's own (the nodes' dtype)
         self.names = [name for name, p in self.base.named_parameters() if p.requires_grad]  # Node.params' order
         self.buffers = dict(self.base.named_buffers())  # shared (rotary frequencies): the same in every replica
         self.padding_rows = [(self.names.index(f"{name}.weight"), module.padding_idx)
@@ -190,7 +191,7 @@ class StackedGroup:
         labels = to_device(self.data.input_ids[idx].masked_fill(self.data.attention_mask[idx] == 0, -100)
                            ) if self.masked else ids
         params = dict(zip(self.names, self.leaves))
-        with self.precision.autocast(self.device):
+        with self.autocast:
             # randomness: a model with dropout draws each node's masks apart (not as the sequential loop would)
             losses = vmap(self._loss, in_dims=(0, 0, 0), randomness="different")(params, ids, labels)
         (losses * scale).sum().backward()  # node n's loss reaches only its row of the stack

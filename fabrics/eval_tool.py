@@ -36,6 +36,7 @@ class Evaluator:
                  precision: Precision = PRECISIONS["fp32"]) -> None:
         self.model, self.val, self.batch_size, self.device = model, val, batch_size, device
         self.precision = precision  # the nodes' autocast: a model is judged in the precision it trains in
+        self.autocast = precision.autocast(device)  # made once (one replica: never two evaluations at once)
         self.classification = val.labels is not None
         self.metric = "val_accuracy" if self.classification else "val_perplexity"
         self.higher_is_better = self.classification
@@ -56,7 +57,7 @@ class Evaluator:
         total_nll = torch.zeros((), dtype=torch.float64, device=self.device)
         count, correct = 0, 0
         for ids, mask, labels in self._batches():
-            with self.precision.autocast(self.device):
+            with self.autocast:
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
             if self.classification:

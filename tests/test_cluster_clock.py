@@ -222,3 +222,21 @@ def test_throughput_measured_measures_once_logs_the_curve_and_reuses_the_cache(t
     stamp = cached.stat().st_mtime_ns
     train(tiny_config("throughput=measured", "num_outer_steps=1", "run_name=again"))
     assert cached.stat().st_mtime_ns == stamp  # read, not measured again
+
+
+def test_each_trainers_holder_is_the_lowest_node_with_its_current_weights():
+    """ClusterState.holders, by hand: the lowest node holding (trainer, current version); a stale version, a node away
+    (STALE) or none at all does not count (no holder: node 0, as every process has the common weights)."""
+    from types import SimpleNamespace
+
+    from cluster.state import STALE, ClusterState
+
+    nodes = [SimpleNamespace(node_id=n) for n in range(5)]
+    trainers = {0: SimpleNamespace(weights_version=2), 1: SimpleNamespace(weights_version=1),
+                2: SimpleNamespace(weights_version=0)}
+    state = ClusterState(nodes, trainers, streaming=False, cuda=False)
+    state.holds = {0: (0, 1), 1: STALE, 2: (0, 2), 3: (1, 1), 4: (0, 2)}
+    assert state.holders([0, 1, 2]) == {0: 2, 1: 3, 2: 0}
+    assert [state.holder(t) for t in (0, 1, 2)] == [2, 3, 0]
+    state.holds[1] = (0, 2)
+    assert state.holders([0]) == {0: 1}

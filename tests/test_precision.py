@@ -138,3 +138,18 @@ def test_precision_and_compile_config_errors(tiny_config, overrides, key, words)
 ])
 def test_master_device_rule(tiny_config, setting, devices, expected):
     assert master_device_of(tiny_config(f"master_device={setting}"), devices) == expected
+
+
+def test_a_nodes_autocast_context_is_made_once_and_works_each_time_it_is_entered():
+    """The node enters one context per micro-batch (made once): each entry switches bf16 autocast on, each exit
+    restores what was there before, on the tenth entry as on the first."""
+    model = torch.nn.Linear(4, 4)
+    node = Node(0, "cpu", model, lambda p: torch.optim.AdamW(p), 0.0, None, PRECISIONS["bf16"])
+    x = torch.randn(2, 4)
+    for _ in range(10):
+        assert not torch.is_autocast_enabled("cpu")
+        with node.autocast:
+            assert torch.is_autocast_enabled("cpu") and model(x).dtype == torch.bfloat16
+    assert model(x).dtype == torch.float32
+    with PRECISIONS["fp32"].autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
