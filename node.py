@@ -10,16 +10,16 @@ to another trainer (re-assignment or merge) its state is reset, because the mome
 trajectory.
 
 offload_idle_nodes: between its rounds a node's weights and inner optimizer state wait in host buffers (pinned on
-CUDA, allocated once); `steps` moves them in first and the backend's `release` moves them out once the round's result
-is taken. The tensors keep their identity (only `.data` moves), so the optimizer, the result's state and every other
-holder see the same objects, and every value is copied exactly: no number depends on it.
+CUDA, allocated once: `Offload`); `steps` moves them in first and the backend's `release` moves them out once the
+round's result is taken. The tensors keep their identity (only `.data` moves), so the optimizer, the result's state
+and every other holder see the same objects, and every value is copied exactly: no number depends on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +83,64 @@ class NodeResult:
     payload: torch.Tensor | None = None  # compressed outer sync: the encoded pseudo-gradient (uint8)
 
 
+class Offload:
+    """offload_idle_nodes: where a node's weights and optimizer state wait between its rounds. Off, nothing moves;
+    on, they leave the device for host memory after a round and come back before the next. On CUDA the copies run
+    on a stream of their own, into pinned host buffers kept from round to round, so other nodes' compute goes on
+    meanwhile; on a CPU the same moves are plain copies. `tensors` (a callable: only called when something moves)
+    gives what moves: the node's parameters, buffers and optimizer moments (Node._moving)."""
+
+    def __init__(self, device: str, enabled: bool = False) -> None:
+        self.device, self.enabled = device, enabled
+        self.resident = True  # whether the state is on `device` now
+        self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> its host buffer (reused every round)
+        self._copies: torch.cuda.Stream | None = None  # CUDA: the stream the copies run on
+
+    @torch.no_grad()
+    def leave(self, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """The state to host memory, the device's copy freed (a no-op when off or already there)."""
+        if not self.enabled or not self.resident:
+            return
+        if self._copies is None and self.device.startswith("cuda"):
+            self._copies = torch.cuda.Stream(self.device)
+        copies = self._copies
+        if copies is not None:  # after the compute queued so far; other nodes' compute runs on meanwhile
+            copies.wait_stream(torch.cuda.current_stream(self.device))
+        kept, self._host = self._host, {}  # only the buffers of today's tensors (a reset optimizer has new ones)
+        with torch.cuda.stream(copies) if copies is not None else _nothing():
+            for t in tensors():
+                host = kept.get(id(t))
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                    host = torch.empty_like(t, device="cpu", pin_memory=copies is not None)
+                self._host[id(t)] = host
+                host.copy_(t.data, non_blocking=copies is not None)
+                if copies is not None:
+                    t.data.record_stream(copies)  # the device block is not reused before its copy is done
+                t.data = host
+        if copies is not None:
+            copies.synchronize()  # host readers (checkpoints, the trainer's mean) see the copied values
+        self.resident = False
+
+    @torch.no_grad()
+    def enter(self, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """The state back on the device (from the host buffers, which stay); a no-op when it is there."""
+        if self.resident:
+            return
+        copies = self._copies
+        compute = torch.cuda.current_stream(self.device) if copies is not None else None  # before the switch below
+        with torch.cuda.stream(copies) if copies is not None else _nothing():
+            for t in tensors():
+                host = t.data
+                on_device = torch.empty_like(host, device=self.device)
+                on_device.copy_(host, non_blocking=copies is not None)
+                if copies is not None:
+                    on_device.record_stream(compute)  # made on the copy stream, used on the compute stream
+                t.data = on_device
+        if copies is not None:
+            compute.wait_stream(copies)  # compute starts once the copies are done
+        self.resident = True
+
+
 class Node:
     def __init__(self, node_id: int, device: str, model: torch.nn.Module, make_optimizer, grad_clip: float,
                  data: PackedData, precision: Precision = PRECISIONS["fp32"], compile_model: bool = False,
@@ -111,10 +169,7 @@ class Node:
         self.round_losses: list[torch.Tensor] = []  # the losses of the round so far, at a pause
         self.masked = True  # whether this round's batches need an attention mask (PackedData.needs_mask)
         self.buckets: list[int] = []  # compile: the micro-batch sizes it runs (algorithms/buckets.py; set by build)
-        self.offload_idle = False  # offload_idle_nodes: weights and optimizer state wait in host memory
-        self.resident = True  # whether the weights and optimizer state are on `device` now
-        self._host: dict[int, torch.Tensor] = {}  # id(tensor) -> its host buffer (reused every round)
-        self._copies: torch.cuda.Stream | None = None  # CUDA: the stream its offloading copies run on
+        self.offload = Offload(device)  # offload_idle_nodes (build switches it on)
 
     def _moving(self) -> list[torch.Tensor]:
         """What offloading moves: the replica's parameters and buffers, and the optimizer's per-parameter state
@@ -126,31 +181,15 @@ class Node:
                             if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device]
         return tensors
 
-    @torch.no_grad()
     def release(self) -> None:
         """offload_idle_nodes: the weights and optimizer state to host memory, the device's copy freed (a no-op
         without offloading, or when already there)."""
-        if not self.offload_idle or not self.resident or self.model is None:
-            return
-        if self._copies is None and self.device.startswith("cuda"):
-            self._copies = torch.cuda.Stream(self.device)
-        copies = self._copies
-        if copies is not None:  # after the compute queued so far; other nodes' compute runs on meanwhile
-            copies.wait_stream(torch.cuda.current_stream(self.device))
-        kept, self._host = self._host, {}  # only the buffers of today's tensors (a reset optimizer has new ones)
-        with torch.cuda.stream(copies) if copies is not None else _nothing():
-            for t in self._moving():
-                host = kept.get(id(t))
-                if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                    host = torch.empty_like(t, device="cpu", pin_memory=copies is not None)
-                self._host[id(t)] = host
-                host.copy_(t.data, non_blocking=copies is not None)
-                if copies is not None:
-                    t.data.record_stream(copies)  # the device block is not reused before its copy is done
-                t.data = host
-        if copies is not None:
-            copies.synchronize()  # host readers (checkpoints, the trainer's mean) see the copied values
-        self.resident = False
+        if self.model is not None:
+            self.offload.leave(self._moving)
+
+    def _load_in(self) -> None:
+        """The weights and optimizer state back on the device (from their host buffers, which stay)."""
+        self.offload.enter(self._moving)
 
     @contextlib.contextmanager
     def on_device(self, leave: bool = True):
@@ -166,25 +205,6 @@ class Node:
             if leave:
                 self.release()
 
-    @torch.no_grad()
-    def _load_in(self) -> None:
-        """The weights and optimizer state back on the device (from their host buffers, which stay)."""
-        if self.resident:
-            return
-        copies = self._copies
-        compute = torch.cuda.current_stream(self.device) if copies is not None else None  # before the switch below
-        with torch.cuda.stream(copies) if copies is not None else _nothing():
-            for t in self._moving():
-                host = t.data
-                on_device = torch.empty_like(host, device=self.device)
-                on_device.copy_(host, non_blocking=copies is not None)
-                if copies is not None:
-                    on_device.record_stream(compute)  # made on the copy stream, used on the compute stream
-                t.data = on_device
-        if copies is not None:
-            compute.wait_stream(copies)  # compute starts once the copies are done
-        self.resident = True
-
     def optimizer_state(self) -> dict | None:
         """A copy of the inner optimizer's state (and fp16 loss scale) on the CPU; None before the first round."""
         if self.optimizer is None:
@@ -199,7 +219,8 @@ class Node:
         if state is None or self.model is None:
             self.optimizer, self.scaler = None, None
             return
-        with self.on_device(leave=not self.resident):  # made where it computes (fused AdamW on CUDA), as in a round
+        # made where it computes (fused AdamW on CUDA), as in a round
+        with self.on_device(leave=not self.offload.resident):
             self._new_optimizer()
             self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "scaler"})
             if self.scaler is not None and state.get("scaler"):

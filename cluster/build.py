@@ -194,7 +194,7 @@ def build_nodes(cfg: Config, model: torch.nn.Module, data: CorpusData, make_opti
             node = Node(node_id, device, replica, make_optimizer, cfg.grad_clip, data.train, precision, cfg.compile,
                         cfg.compile_backend)
             node.max_batch, node.show_progress, node.stop = max_batch, cfg.inner_progress, stop_event
-            node.offload_idle = cfg.offload_idle_nodes
+            node.offload.enabled = cfg.offload_idle_nodes
             node.release()  # offloaded: it waits for its first round in host memory
             nodes.append(node)
     if local is not None and not (resume_state is not None or cfg.max_batch_size):

@@ -215,7 +215,7 @@ def test_offloaded_nodes_on_the_gpu_give_the_same_run_and_leave_the_card(tmp_pat
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024).cuda()
     node = Node(0, "cuda:0", model, lambda ps: torch.optim.AdamW(list(ps)), 0.0, None)
-    node.offload_idle = True
+    node.offload.enabled = True
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     node.release()

@@ -162,14 +162,14 @@ def test_offloading_moves_a_nodes_state_exactly_and_frees_the_device_copy():
     ids = torch.randint(0, 4096, (8, 16))
     data = PackedData(ids, torch.ones_like(ids))
     twins = [Node(i, "cpu", _copy(model), adamw, 0.0, data) for i in range(2)]
-    twins[1].offload_idle = True
+    twins[1].offload.enabled = True
     master = {k: v.clone() for k, v in model.state_dict().items()}
     job = NodeJob(0, 0, master, torch.arange(8).reshape(2, 2, 2), grad_chunks=0, reset_optimizer=False)
     for _ in range(2):  # the second round starts from the moments the first left (offloaded in between)
         results = [n.run(job) for n in twins]
         before = {id(p): p.data.data_ptr() for p in twins[1].params}
         twins[1].release()
-        assert not twins[1].resident
+        assert not twins[1].offload.resident
         assert all(p.data.data_ptr() != before[id(p)] for p in twins[1].params)  # now the host buffers
         assert results[0].step_losses == results[1].step_losses
         for k in results[0].state:
@@ -212,7 +212,7 @@ def test_offloaded_nodes_taking_turns_change_no_number(tmp_path, cache_dir, monk
                 busy[device] -= 1
 
     def load_in(self):
-        loads.append(not self.resident)
+        loads.append(not self.offload.resident)
         return real_load(self)
 
     monkeypatch.setattr(node_module.Node, "steps", steps)

@@ -152,7 +152,7 @@ def test_offloaded_nodes_wait_for_an_evaluation_in_host_memory(tiny_config, monk
 
     def load_in(self):
         real_load(self)
-        peak.append(sum(n.resident for n in made if n.model is not None and n.offload_idle))
+        peak.append(sum(n.offload.resident for n in made if n.model is not None and n.offload.enabled))
 
     common = ["node_execution=threads", "eval_every_inner_steps=1", "num_init_trainers=1", "merge_frequency=0"]
     resident, _ = train(tiny_config("run_name=resident", *common))
