@@ -56,16 +56,11 @@ class OuterSync:
     def __init__(self, compression: str = "none", error_feedback: bool = True, topk_fraction: float = 0.02) -> None:
         self.compressor: Compressor = build_compressor(compression, topk_fraction)
         self.error_feedback = error_feedback and not self.compressor.lossless
-
-    @property
-    def exact(self) -> bool:
-        """The nodes' fp32 weights are averaged directly (no pseudo-gradients on the wire)."""
-        return self.compressor.lossless
-
-    @property
-    def ring(self) -> bool:
-        """The payloads travel as a ring of quantized shards (reducible compression), not all-gathered."""
-        return not self.exact and self.compressor.reducible
+        # facts of the compression, fixed here (read per node and per trainer every round):
+        # exact: the nodes' fp32 weights are averaged directly (no pseudo-gradients on the wire);
+        # ring: the payloads travel as a ring of quantized shards (reducible compression), not all-gathered
+        self.exact: bool = self.compressor.lossless
+        self.ring: bool = not self.exact and self.compressor.reducible
 
     @staticmethod
     def ring_spans(numel: int, num_shards: int) -> list[tuple[int, int]]:
