@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from algorithms.buckets import micro_batch_buckets
-from algorithms.clock import Clock, NodeSchedule, ThroughputCurve
+from algorithms.clock import Clock, ThroughputCurve
 from algorithms.comm_plan import CommPlan
 from algorithms.network import describe, parse_network
+from algorithms.node_schedule import NodeSchedule
 from algorithms.policies import build_merge_policy
 from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.streaming import StreamingPlan

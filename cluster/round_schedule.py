@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from algorithms.clock import Clock, NodeSchedule
+from algorithms.clock import Clock
+from algorithms.node_schedule import NodeSchedule
 from utils.config import Config
 
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from algorithms.clock import Clock, NodeSchedule, NodeWork, ThroughputCurve, TrainerWork
+from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.network import Network, parse_network
+from algorithms.node_schedule import NodeSchedule
 from algorithms.traffic import SyncCost
 from benchmarks.replay import RoundWork, TrainerRound, read_rounds, replay, timeline
 

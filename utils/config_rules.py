@@ -106,7 +106,8 @@ def multi_instance_warnings(cfg: ConfigFields) -> list[str]:
 
 def clock_warnings(cfg: ConfigFields) -> list[str]:
     """A node_schedule event after the last outer step; a curve file that is not shaped like a throughput curve."""
-    from algorithms.clock import NodeSchedule, ThroughputCurve
+    from algorithms.clock import ThroughputCurve
+    from algorithms.node_schedule import NodeSchedule
 
     out = []
     for i, event in enumerate(NodeSchedule.parse(cfg.node_schedule, cfg.total_nodes).events):
@@ -169,8 +170,9 @@ def check_multi_instance(cfg: ConfigFields) -> None:
 
 def check_clock(cfg: ConfigFields) -> None:
     """The cluster description (network, throughput, node_schedule, inner_steps_by_speed), before any work."""
-    from algorithms.clock import NodeSchedule, ThroughputCurve
+    from algorithms.clock import ThroughputCurve
     from algorithms.network import parse_network
+    from algorithms.node_schedule import NodeSchedule
 
     try:
         parse_network(cfg.network)
