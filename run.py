@@ -249,10 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from utils.process_end import end_process
+
     code = main()
-    if code >= 128:  # stopped by a signal: nothing left to wait for (tracker threads, atexit hooks)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    # the run is written: skip the interpreter's teardown of torch & co. (utils/process_end.py); stopped by a signal,
+    # nothing is left to wait for either (tracker threads, exit hooks)
+    end_process(code, run_exit_hooks=code < 128)
