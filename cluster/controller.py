@@ -216,8 +216,10 @@ class ClusterController:
                 if merge_event:
                     self.logger.memory.record("after_merge", outer_step)
                 wall = state.wall_before + time.time() - self._start
-                for row in rows:  # counters at the end of the outer step, its merge included
-                    row.update(state.traffic.row(), wall_time=wall, **self.ledgers.row())
+                # counters at the end of the outer step, its merge included: the cluster's, the same in every row
+                counters = {**state.traffic.row(), "wall_time": wall, **self.ledgers.row()}
+                for row in rows:
+                    row.update(counters)
                 # the bar shows what exists after the step: the trainers left after its merge, their best model
                 best = self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
                 log.info(self._step_line(outer_step, rows, merge_event))

@@ -35,8 +35,9 @@ class Evaluator:
     def __init__(self, model: torch.nn.Module, val: PackedData, batch_size: int, device: str,
                  precision: Precision = PRECISIONS["fp32"]) -> None:
         self.model, self.val, self.batch_size, self.device = model, val, batch_size, device
-        self.precision = precision  # the nodes' autocast: a model is judged in the precision it trains in
-        self.autocast = precision.autocast(device)  # made once (one replica: never two evaluations at once)
+        # the nodes' autocast (a model is judged in the precision it trains in), made once: one replica, never two
+        # evaluations at once
+        self.autocast = precision.autocast(device)
         self.classification = val.labels is not None
         self.metric = "val_accuracy" if self.classification else "val_perplexity"
         self.higher_is_better = self.classification
