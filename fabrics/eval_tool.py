@@ -41,14 +41,21 @@ class Evaluator:
         self.classification = val.labels is not None
         self.metric = "val_accuracy" if self.classification else "val_perplexity"
         self.higher_is_better = self.classification
+        # the validation batches with their targets, sliced and on the device once: every evaluation reads the same
+        # ones, and the count of what they predict is known without a read from the device
+        self.batches = list(self._batches())
+        self.count = sum(len(targets) if self.classification else int((targets != -100).sum())
+                         for _, _, targets in self.batches)  # examples, or predicted tokens
 
     def _batches(self):
         for start in range(0, len(self.val), self.batch_size):
             end = start + self.batch_size
             ids = self.val.input_ids[start:end].to(self.device)
             mask = self.val.attention_mask[start:end].to(self.device)
-            labels = None if self.val.labels is None else self.val.labels[start:end].to(self.device)
-            yield ids, mask, labels
+            if self.classification:
+                yield ids, mask, self.val.labels[start:end].to(self.device)
+            else:  # token t predicts token t+1: one shift, padding excluded from the targets
+                yield ids, mask, ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
 
     @torch.no_grad()
     def evaluate(self, state: dict[str, torch.Tensor] | None = None) -> EvalResult:
@@ -56,21 +63,18 @@ class Evaluator:
             load_float_state(self.model, state)
         self.model.eval()
         total_nll = torch.zeros((), dtype=torch.float64, device=self.device)
-        count, correct = 0, 0
-        for ids, mask, labels in self._batches():
+        correct = 0
+        for ids, mask, targets in self.batches:
             with self.autocast:
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
             if self.classification:
-                total_nll += F.cross_entropy(logits, labels, reduction="sum").double()
-                correct += int((logits.argmax(-1) == labels).sum())
-                count += len(labels)
+                total_nll += F.cross_entropy(logits, targets, reduction="sum").double()
+                correct += int((logits.argmax(-1) == targets).sum())
                 continue
-            # Token t predicts token t+1: one shift, padding excluded from the targets.
-            targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
             total_nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum",
                                          ignore_index=-100).double()
-            count += int((targets != -100).sum())
+        count = self.count
         loss = float(total_nll) / max(count, 1)
         if self.classification:
             accuracy = correct / max(count, 1)

@@ -107,6 +107,12 @@ def test_perplexity_is_token_weighted_exactly():
             count += n - 1
     assert result.count == count
     assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-9)
+    # the batches and their targets are made once: a second evaluation (other weights, then these again) reads them
+    evaluator = Evaluator(model, d, batch_size=2, device="cpu")
+    other = {k: v * 0.5 for k, v in model.state_dict().items()}
+    assert evaluator.evaluate(other).perplexity != result.perplexity
+    again = evaluator.evaluate({k: v * 2 for k, v in other.items()})
+    assert (again.count, again.perplexity) == (result.count, result.perplexity)
 
 
 def test_pack_masks_the_padded_tail():
