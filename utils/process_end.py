@@ -1,11 +1,12 @@
 """Ending a process whose work is done and written, without the interpreter's teardown.
 
 Python's own exit tears down every loaded module: with torch, transformers and datasets loaded that takes 1-1.5 s
-of a CPU core per process and writes nothing (`python run.py` on the harness test's tiny config, 2 CPU cores: 6.2 s
-with it, 4.8 s without). A run pays it, and so does every child run the harness or the tuner starts. So once `main`
-has returned, the exit hooks run (trackers' flushes, logging's handlers, locks, temporary files), the streams are
-flushed and the process ends with os._exit. Only when nothing else is still running: with a thread that is not a
-daemon, which the normal exit would wait for, the process takes the normal exit.
+of a CPU core per process and writes nothing (`python -m benchmarks.startup`: 1.29 s against 0.08 s from a
+finished run's last line to its end; BENCHMARKS.md). A run pays it, and so does every child run the harness or the
+tuner starts. So once `main` has returned, the exit hooks run (trackers' flushes, logging's handlers, locks,
+temporary files), the streams are flushed and the process ends with os._exit. Only when nothing else is still
+running: with a thread that is not a daemon, which the normal exit would wait for, the process takes the normal
+exit.
 """
 
 from __future__ import annotations
