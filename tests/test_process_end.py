@@ -1,6 +1,7 @@
 """Ending a finished process without the interpreter's teardown: the exit hooks still run, the streams are flushed,
 the exit code is kept, and a thread that is not a daemon is still waited for."""
 
+import os
 import subprocess
 import sys
 
@@ -16,6 +17,9 @@ atexit.register(lambda: (out / "hook").write_text("ran"))
 logging.basicConfig(filename=out / "log", level=logging.INFO)
 logging.info("the last line")
 sys.stdout.write("x" * 100_000)  # buffered (stdout is a pipe): lost unless flushed
+if sys.argv[2] == "reader_gone":
+    sys.stdout.write("x")  # buffered; the reader is gone before the flush
+    time.sleep(1)
 if sys.argv[2] == "thread":
     def late():
         time.sleep(0.5)
@@ -24,13 +28,14 @@ if sys.argv[2] == "thread":
 end_process(int(sys.argv[3]), run_exit_hooks=sys.argv[2] != "signal")
 raise AssertionError("end_process returned")
 """
+BUFFERED = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe: block-buffered
 
 
 def end(tmp_path, case, code):
     out = tmp_path / case
     out.mkdir()
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), case, str(code)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=BUFFERED)
     return proc, out
 
 
@@ -49,3 +54,15 @@ def test_a_stop_by_a_signal_skips_the_exit_hooks_but_flushes_the_log(tmp_path):
 def test_a_thread_still_running_gets_the_normal_exit_which_waits_for_it(tmp_path):
     proc, out = end(tmp_path, "thread", 0)
     assert proc.returncode == 0 and (out / "thread").read_text() == "done" and (out / "hook").read_text() == "ran"
+
+
+def test_a_reader_gone_before_the_flush_costs_nothing_but_the_output(tmp_path):
+    """`python run.py | head -1`: the pipe's reader is gone by the end; the flush fails quietly, the code stays."""
+    out = tmp_path / "reader_gone"
+    out.mkdir()
+    quiet = SCRIPT.replace('sys.stdout.write("x" * 100_000)', "pass")
+    proc = subprocess.Popen([sys.executable, "-c", quiet, str(out), "reader_gone", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=BUFFERED)
+    proc.stdout.close()
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 0 and "Error" not in err and (out / "hook").read_text() == "ran", err

@@ -27,6 +27,9 @@ def end_process(code: int, run_exit_hooks: bool = True) -> None:
         import logging
 
         logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (`python run.py | head`), a stream closed: nothing to keep
+            pass
     os._exit(code)
