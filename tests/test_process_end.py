@@ -66,3 +66,14 @@ def test_a_reader_gone_before_the_flush_costs_nothing_but_the_output(tmp_path):
     proc.stdout.close()
     err = proc.communicate(timeout=120)[1].decode()
     assert proc.returncode == 0 and "Error" not in err and (out / "hook").read_text() == "ran", err
+
+
+def test_under_a_profiler_the_normal_exit_lets_it_write_its_results(tmp_path):
+    """`python -m cProfile -o FILE ...` writes FILE once the program returns: os._exit would lose it."""
+    out = tmp_path / "profiled"
+    out.mkdir()
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out / "profile"), str(script), str(out),
+                           "done", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=BUFFERED)
+    assert proc.returncode == 0 and (out / "profile").stat().st_size > 0 and (out / "hook").read_text() == "ran"
