@@ -44,6 +44,10 @@ class Evaluator:
         # the validation batches with their targets, sliced and on the device once: every evaluation reads the same
         # ones, and the count of what they predict is known without a read from the device
         self.batches = list(self._batches())
+        # a language model's logits at every position but the last, which predicts nothing: never computed (nor a
+        # copy of them sliced), the same numbers
+        self.predicting = {} if self.classification else {
+            "logits_to_keep": torch.arange(val.input_ids.shape[1] - 1, device=device)}
         self.count = sum(len(targets) if self.classification else int((targets != -100).sum())
                          for _, _, targets in self.batches)  # examples, or predicted tokens
 
@@ -66,13 +70,13 @@ class Evaluator:
         correct = 0
         for ids, mask, targets in self.batches:
             with self.autocast:
-                logits = self.model(input_ids=ids, attention_mask=mask).logits
+                logits = self.model(input_ids=ids, attention_mask=mask, **self.predicting).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32
             if self.classification:
                 total_nll += F.cross_entropy(logits, targets, reduction="sum").double()
                 correct += int((logits.argmax(-1) == targets).sum())
                 continue
-            total_nll += F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum",
+            total_nll += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
                                          ignore_index=-100).double()
         count = self.count
         loss = float(total_nll) / max(count, 1)
