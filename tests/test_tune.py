@@ -16,7 +16,7 @@ import pytest
 from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
-from benchmarks.tune import edges, write_trials
+from benchmarks.tune import BestPointEnds, best_point_ends, knobs_of, write_trials
 from benchmarks.tune import main as tune_main
 from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, variant_of
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
@@ -97,15 +97,50 @@ def test_a_best_point_on_an_edge_is_flagged(tmp_path):
         study.add_trial(optuna.trial.create_trial(params={"lr_inner": value_lr, "initial_batch_size": value_b},
                                                   distributions={"lr_inner": lr, "initial_batch_size": batch},
                                                   value=objective, user_attrs={"point": i}))
-    assert edges(study) == {0: "lr_inner 0.009: the top tenth of its range"}  # log10 9e-3 is 0.98 of the way
+    # log10 9e-3 is 0.98 of the way
+    assert best_point_ends(study, {}).edges == {0: "lr_inner 0.009: the top tenth of its range"}
     study.add_trial(optuna.trial.create_trial(params={"lr_inner": 5e-3, "initial_batch_size": 4},
                                               distributions={"lr_inner": lr, "initial_batch_size": batch},
                                               value=50.0, user_attrs={"point": 3}))
-    assert edges(study) == {3: "initial_batch_size 4: its largest choice"}  # 5e-3 lies inside; 9e-3 was sampled
+    # 5e-3 lies inside; 9e-3 was sampled
+    assert best_point_ends(study, {}).edges == {3: "initial_batch_size 4: its largest choice"}
     study.add_trial(optuna.trial.create_trial(params={"lr_inner": 2e-3, "initial_batch_size": 2},
                                               distributions={"lr_inner": lr, "initial_batch_size": batch},
                                               value=10.0, user_attrs={"point": 4}))
-    assert edges(study) == {}  # inside the range, between sampled values, a middle choice
+    assert best_point_ends(study, {}).edges == {}  # inside the range, between sampled values, a middle choice
+
+
+def test_a_best_point_at_the_top_of_eta_where_no_batch_grew_is_a_plateau_not_an_edge(tmp_path):
+    # the norm test asks for no larger batch as ETA grows: a best point at the top of ETA's range whose runs grew no
+    # batch on any tuning seed runs the same at every larger ETA, so the range holds the optimum (a plateau). One
+    # increase on one seed, or a summary that cannot be read, leaves it an edge; the bottom of the range never is one.
+    storage = open_storage(str(tmp_path / "studies.journal"), tmp_path)
+    eta = optuna.distributions.FloatDistribution(0.3, 10.0, log=True)
+
+    def runs(name: str, *increases: int) -> list[str]:
+        dirs = []
+        for seed, count in enumerate(increases):
+            run = tmp_path / f"{name}_seed{seed}"
+            run.mkdir()
+            (run / "summary.json").write_text(json.dumps({"batch_increases": count}))
+            dirs.append(str(run))
+        return dirs
+
+    def best_at(name: str, value: float, run_dirs: list[str]) -> BestPointEnds:
+        study = open_study(name, storage, "minimize", PointSampler((ETA,), {}))
+        for i, (v, objective, dirs) in enumerate([(value, 100.0, run_dirs), (1.0, 200.0, []), (2.0, 300.0, [])]):
+            study.add_trial(optuna.trial.create_trial(params={"ETA": v}, distributions={"ETA": eta}, value=objective,
+                                                      user_attrs={"point": i, "run_dirs": dirs}))
+        return best_point_ends(study, {"ETA": ETA})
+
+    words = "ETA 8.33: the top tenth of its range"
+    assert best_at("flat", 8.33, runs("flat", 0, 0)) == BestPointEnds(
+        {}, {0: f"{words}, where batch_increases is 0 on every tuning seed (every larger ETA runs the same)"})
+    assert best_at("grew", 8.33, runs("grew", 0, 1)) == BestPointEnds({0: words}, {})
+    assert best_at("unread", 8.33, [*runs("unread", 0), str(tmp_path / "missing")]) == BestPointEnds({0: words}, {})
+    assert best_at("bottom", 0.32, runs("bottom", 0, 0)) == BestPointEnds(
+        {0: "ETA 0.32: the bottom tenth of its range"}, {})
+    assert best_point_ends(optuna.load_study(study_name="flat", storage=storage), {}).edges == {0: words}  # no knob
 
 
 def test_every_method_has_a_search_space_and_the_nesterov_baseline_is_dilocos_standard_outer_step():
@@ -388,7 +423,7 @@ def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):
             value=value, user_attrs={"point": 0, "run_dir": str(tmp_path / "trials" / "runs" / f"{name}_p0")}))
     known = catalogue(load_config(str(ROOT / "config.yaml"), TINY), [2], 0.5)
     named = {"diloco_b2": optuna.load_study(study_name="diloco_b2", storage=storage)}
-    write_trials(named, {"diloco_b2": known["diloco_b2"]}, storage, tmp_path / "trials.csv")
+    write_trials(named, {"diloco_b2": known["diloco_b2"]}, knobs_of(known), storage, tmp_path / "trials.csv")
     rows = list(csv.DictReader((tmp_path / "trials.csv").open()))
     assert [(r["variant"], r["objective"], r["lr_inner"], r["ETA"]) for r in rows] == [
         ("diloco_b2", "250.0", "0.002", ""), ("adloco", "300.0", "0.001", "0.7")]

@@ -12,8 +12,10 @@ methods' _tuned_batch studies). Every trial is real run.py runs on the tuning se
 validation metric at exactly the token budget. Each study's trials are the points of its own scrambled Halton
 sequence (benchmarks/tune/points.py: seeded by the variant, the same on every machine), so no method gets a smarter
 search and no two methods share their points. A best trial on the edge of a range is flagged (trials.csv's edge
-column, and a warning). --trials N is how many finished trials each study should hold: a second call continues the
-studies (to a larger N too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked
+column, and a warning), except at the top of a knob whose decisions its runs never made (ETA where no batch grew on
+any tuning seed: every larger ETA runs the same), which the plateau column names instead.
+--trials N is how many finished trials each study should hold: a second call continues the studies (to a larger N
+too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked
 failed and run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at
 once here, each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on
 several machines (claims.py says how).
@@ -21,8 +23,8 @@ A study is its config: it is named VARIANT@DIGEST of everything that changes its
 without the tuned knobs, the token budget, the tuning seeds, the tuned ranges; claims.StudyIdentity), so a call with
 another budget or other overrides on the same storage starts its own study (a line names what differs) and never
 counts trials measured under another config.
-The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, edge, note, run
-directory; every study in the storage, so a call naming a few variants keeps the others' rows)
+The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, edge, plateau,
+note, run directory; every study in the storage, so a call naming a few variants keeps the others' rows)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
 (changed.py: tuning_changed.csv); --untuned DIR:V1,... takes untuned runs from a finished report instead, and
@@ -50,7 +52,7 @@ from benchmarks.compare import compare
 from benchmarks.compare.options import Options, build_parser, made
 from benchmarks.compare.reader import read_run, value_at
 from benchmarks.compare.runner import RunFailed, resolved, run_variant, warm_start
-from benchmarks.compare.variants import Variant, catalogue, custom, select
+from benchmarks.compare.variants import Knob, Variant, catalogue, custom, select
 from benchmarks.launch import STOPPED_BY, allow_children, stop_children
 from benchmarks.tune.claims import (
     StudyIdentity,
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {**select(known, args.variants, args.diloco_batches, bool(args.cluster)),
               **custom(args.add_variant, known)}
     regimes = checked_regimes(args, chosen)
+    knobs = knobs_of({**known, **chosen})
     made(out / "trials" / "runs", "--out")  # only once the input is known good
     stop = threading.Event()
 
@@ -172,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         trial_args = args if given else dataclasses.replace(args, overrides=(*args.overrides, f"cpu_threads={threads}"))
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
-        write_trials(studies, chosen, storage, out / "trials.csv")
+        write_trials(studies, chosen, knobs, storage, out / "trials.csv")
         for study in studies.values():
-            for number, words in edges(study).items():
+            for number, words in best_point_ends(study, knobs).edges.items():
                 print(f"warning: {study.study_name}: its best trial ({number}) sits on an edge ({words}); its value "
                       "and ranking are bounds: widen the range and run the study again")
         if errors or STOPPED_BY:
@@ -342,8 +345,13 @@ def progress(study: optuna.Study, trials: int) -> str:
             (f"; best so far {best.value:.4g} (point {best.user_attrs.get('point')})" if best else ""))
 
 
-def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], storage: optuna.storages.BaseStorage,
-                 path: Path) -> None:
+def knobs_of(variants: dict[str, Variant]) -> dict[str, Knob]:
+    """The variants' tuned knobs by key (a key is the same knob in every variant that tunes it)."""
+    return {k.key: k for v in variants.values() for k in v.search}
+
+
+def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], knobs: dict[str, Knob],
+                 storage: optuna.storages.BaseStorage, path: Path) -> None:
     """Every study in the storage, this call's first (in its order), then the others: a call that names some
     variants keeps the rows of the rest (the table is the storage's, not the call's). The study column says which
     study (VARIANT@DIGEST of its config, benchmarks.tune.claims.StudyIdentity) each row belongs to: rows of two
@@ -359,44 +367,72 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], s
                                  for key in t.params)]))
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "note", "run_dir"])
+        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "plateau", "note",
+                    "run_dir"])
         for name, study in every:
-            flagged = edges(study)
+            ends = best_point_ends(study, knobs)
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, study.study_name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
-                            flagged.get(t.number, ""), t.user_attrs.get("note", ""),
+                            ends.edges.get(t.number, ""), ends.plateaus.get(t.number, ""), t.user_attrs.get("note", ""),
                             shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
 
 
 EDGE = 0.1  # the outer tenth of a range (log ranges in log space): a best point there is a bound, not an optimum
 
 
-def edges(study: optuna.Study) -> dict[int, str]:
-    """The study's best finished trial, if one of its knobs sits on an edge, with the words (trial number -> words):
-    in the outer tenth of its range, at the largest or smallest value the study sampled, or at a discrete knob's
-    first or last choice. Such a study's value and ranking are bounds: widen the range and run it again."""
+@dataclasses.dataclass(frozen=True)
+class BestPointEnds:
+    """Where a study's best finished trial sits at an end of its ranges (trial number -> words): edges, in the outer
+    tenth of a range, at the largest or smallest value sampled, or at a discrete knob's first or last choice (its
+    value and ranking are bounds: widen the range and run it again); plateaus, at the top of a knob whose decisions
+    its runs never made (Knob.decides: ETA where no batch grew), so every larger value runs the same and the range
+    holds the optimum."""
+    edges: dict[int, str]
+    plateaus: dict[int, str]
+
+
+def best_point_ends(study: optuna.Study, knobs: dict[str, Knob]) -> BestPointEnds:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.value is not None and math.isfinite(t.value)]
     if not done:
-        return {}
+        return BestPointEnds({}, {})
     best = (max if study.direction.name == "MAXIMIZE" else min)(done, key=lambda t: t.value)
-    words = []
+    edge, plateau = [], []
     for key, value in best.params.items():
         dist = best.distributions[key]
         if isinstance(dist, CategoricalDistribution):
             if len(dist.choices) > 1 and value in (min(dist.choices), max(dist.choices)):
-                words.append(f"{key} {value}: its {'largest' if value == max(dist.choices) else 'smallest'} choice")
+                edge.append(f"{key} {value}: its {'largest' if value == max(dist.choices) else 'smallest'} choice")
             continue
         low, high, at = ((math.log(dist.low), math.log(dist.high), math.log(value)) if dist.log
                          else (dist.low, dist.high, value))
         share = (at - low) / (high - low) if high > low else 0.5
         sampled = {t.params[key] for t in done if key in t.params}
         if share < EDGE or share > 1 - EDGE:
-            words.append(f"{key} {value:.4g}: the {'top' if share > 0.5 else 'bottom'} tenth of its range")
+            words = f"{key} {value:.4g}: the {'top' if share > 0.5 else 'bottom'} tenth of its range"
         elif len(sampled) > 2 and value in (max(sampled), min(sampled)):
-            words.append(f"{key} {value:.4g}: the {'largest' if value == max(sampled) else 'smallest'} sampled")
-    return {best.number: "; ".join(words)} if words else {}
+            words = f"{key} {value:.4g}: the {'largest' if value == max(sampled) else 'smallest'} sampled"
+        else:
+            continue
+        decides = knobs[key].decides if key in knobs else ""
+        if share > 0.5 and decides and never_decided(best, decides):
+            plateau.append(f"{words}, where {decides} is 0 on every tuning seed (every larger {key} runs the same)")
+        else:
+            edge.append(words)
+    return BestPointEnds({best.number: "; ".join(edge)} if edge else {},
+                         {best.number: "; ".join(plateau)} if plateau else {})
+
+
+def never_decided(trial: optuna.trial.FrozenTrial, count: str) -> bool:
+    """Whether every tuning seed's run of the trial reports 0 for `count` in its summary.json (False when one
+    is missing or unreadable: then the end stays an edge)."""
+    run_dirs = trial.user_attrs.get("run_dirs", [])
+    try:
+        return bool(run_dirs) and all(json.loads((Path(d) / "summary.json").read_text())[count] == 0
+                                      for d in run_dirs)
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def shown_from(run_dir: str, folder: Path) -> str:
