@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import psutil
@@ -330,11 +331,14 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     one (another study: its own point 0 runs, a line names what differs). trials.csv says which study each row
     belongs to. (A call with the same config continues its study: test_a_stopped_tuning_run_...)"""
     out = tmp_path / "tune"
-    assert tune_main(tune_args(out, cache_dir, "--trials", "1", seeds="1000,1001")) == 0
+    assert tune_main(tune_args(out, cache_dir, "--trials", "1", "eval_every_inner_steps=1", seeds="1000,1001")) == 0
     (first,) = trials_of(f"sqlite:///{out / 'studies.db'}")  # two tuning seeds: the objective is their mean
     per_seed = first.user_attrs["per_seed"]
     assert len(per_seed) == 2 and first.value == pytest.approx(sum(per_seed) / 2)
     assert [d.rsplit("_", 1)[1] for d in first.user_attrs["run_dirs"]] == ["seed1000", "seed1001"]
+    for run in map(Path, first.user_attrs["run_dirs"]):  # the objective reads no mid-round evaluation: none made
+        assert load_config(run / "config.yaml").eval_every_inner_steps == 0
+        assert (run / "model_training_report" / "inner_eval.csv").read_text().count("\n") == 1  # its header
     capsys.readouterr()
     assert tune_main(tune_args(out, cache_dir, "--trials", "1", "lr_outer=0.3", max_tokens=1600)) == 0
     said = capsys.readouterr().out
@@ -346,6 +350,7 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     assert line.startswith("diloco_b2: this call's study diloco_b2@") and "its 1 trials are not counted here" in line
     assert "config.lr_outer: 0.5 -> 0.3" in line
     assert "config.max_tokens: 1500 -> 1600" in line and "tuning_seeds" in line
+    assert "eval_every_inner_steps" not in line  # no part of a study (TRIAL_SKIPS)
     storage = f"sqlite:///{out / 'studies.db'}"
     summaries = optuna.get_all_study_summaries(storage)
     assert sorted(variant_of(x) for x in summaries) == ["diloco_b2", "diloco_b2"]
@@ -407,6 +412,14 @@ def test_a_key_added_later_at_its_default_continues_the_study_made_before_it(tmp
     for other in (now(compile_backend="eager"), now(compile_backend="inductor", lr_outer=0.3),
                   now(compile_backend="inductor", sync_delay=1), StudyIdentity("diloco", now().values)):
         assert continued(storage, other, later) is other
+    # a key identities no longer hold (what trials stopped reading: TRIAL_SKIPS) continues a study stored with it
+    with_key = StudyIdentity("snoo", {**before.values, "config": {"lr_outer": 0.5, "eval_every_inner_steps": 2}})
+    open_study("snoo", storage, "minimize", PointSampler((LR_INNER,), {}), with_key)
+    without = StudyIdentity("snoo", {**before.values, "config": {"lr_outer": 0.5}})
+    assert continued(storage, without, later, frozenset({"eval_every_inner_steps"})).study_name == with_key.study_name
+    assert continued(storage, without, later) is without
+    changed = StudyIdentity("snoo", {**before.values, "config": {"lr_outer": 0.3}})
+    assert continued(storage, changed, later, frozenset({"eval_every_inner_steps"})) is changed
 
 
 def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):

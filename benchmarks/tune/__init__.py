@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         storage = open_storage(tuning.storage, out)
         direction = "maximize" if base.dataset == "imdb" else "minimize"
         identities = {name: continued(storage, identity_of(name, v, regimes[name], args, tuning, extra),
-                                      LATER_DEFAULTS) for name, v in chosen.items()}
+                                      LATER_DEFAULTS, frozenset(TRIAL_SKIPS)) for name, v in chosen.items()}
         for identity in identities.values():
             for line in other_studies(storage, identity):
                 print(line)
@@ -249,18 +249,25 @@ def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
 # each key added after studies were stored, at its default (it does there what the runs before it did)
 LATER_DEFAULTS = {k: v for k, v in json.loads(json.dumps(Config().to_dict(), default=str)).items() if k in ADDED_LATER}
 MACHINE_KEYS = ("cpu_threads", "cpu_capability")  # each machine's kernels: last digits only (docs/running.md)
+# What a trial's runs skip: a trial's objective reads only the end-of-round curve (the metric at the budget), and a
+# mid-round evaluation changes no training number (tests/test_end_to_end.py), so its runs make none (about half of a
+# nano trial's time, with an evaluation every 2 of 10 inner steps). The key is no part of a study's identity, so a
+# study stored when trials still made them goes on; the finalists keep them (steps and time to a target read them).
+TRIAL_SKIPS = {"eval_every_inner_steps": 0}
 
 
 def identity_of(name: str, variant: Variant, cfg, args: Options, tuning: Tuning, extra: list[str]) -> StudyIdentity:
     """What this variant's trials are measured under: the config every trial resolves to (the harness's overrides,
-    the warm start, the variant's own), without the tuned knobs, the places files go (WHERE_KEYS) and the machine's
-    kernel choice (so that machines of several kinds share one study); the budget, the tuning seed and each tuned
-    knob's range (a wider range is another study: its points are other points)."""
+    the warm start, the variant's own), without the tuned knobs, the places files go (WHERE_KEYS), the machine's
+    kernel choice (so that machines of several kinds share one study) and what trials skip (TRIAL_SKIPS); the
+    budget, the tuning seed and each tuned knob's range (a wider range is another study: its points are other
+    points)."""
     tuned = distributions(variant.search, cfg)
     values = resolved(args.config, [*args.overrides, *extra, *variant.overrides,
                                     f"training_seed={tuning.tuning_seeds[0]}", f"max_tokens={args.max_tokens}",
                                     f"num_outer_steps={args.max_outer_steps}"])
-    config = {k: v for k, v in values.items() if k not in tuned and k not in MACHINE_KEYS and k != "training_seed"}
+    config = {k: v for k, v in values.items()
+              if k not in tuned and k not in MACHINE_KEYS and k not in TRIAL_SKIPS and k != "training_seed"}
     search = {k: list(d.choices) if isinstance(d, CategoricalDistribution) else
               [d.low, d.high, "log" if d.log else "linear"] for k, d in tuned.items()}
     return StudyIdentity(name, {"config": config, "search": search, "tuning_seeds": list(tuning.tuning_seeds)})
@@ -298,7 +305,8 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             try:
                 for seed in tuning.tuning_seeds:  # the study's name in the run's: no two studies share a directory
                     run_dirs.append(run_variant(f"{study.study_name}_p{point}", [*chosen[name].overrides, *(
-                        f"{k}={v}" for k, v in params.items())], seed, args, out / "trials", extra)[0])
+                        f"{k}={v}" for k, v in {**params, **TRIAL_SKIPS}.items())], seed, args, out / "trials",
+                        extra)[0])
             except RunFailed as exc:
                 if not (exc.training_fault or stop.is_set()):  # the tool's error or bad input, not the method's
                     trial.set_user_attr("note", f"{exc} (not the method's outcome); its point runs again on the "

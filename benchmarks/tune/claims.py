@@ -129,18 +129,20 @@ def differences(had: dict, now: dict) -> list[str]:
             for k in sorted(set(flat_had) | set(flat_now)) if flat_had.get(k) != flat_now.get(k)]
 
 
-def continued(storage: optuna.storages.BaseStorage, identity: StudyIdentity,
-              later_defaults: dict[str, object]) -> StudyIdentity:
+def continued(storage: optuna.storages.BaseStorage, identity: StudyIdentity, later_defaults: dict[str, object],
+              dropped: frozenset[str] = frozenset()) -> StudyIdentity:
     """The stored study of the same variant this identity continues, if any: one whose identity differs only by
     config keys it lacks that were added later (later_defaults: each such key's default) and are at their default
-    now. A key added later does at its default what runs before it did, so a study keeps its trials across the
-    version that added it (as a checkpoint stays resumable). Otherwise the identity itself."""
+    now, or by keys an identity no longer holds (dropped: what trials have stopped reading). A key added later does
+    at its default what runs before it did, so a study keeps its trials across the version that added it (as a
+    checkpoint stays resumable). Otherwise the identity itself."""
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         had = summary.user_attrs.get("identity")
         if variant_of(summary) != identity.variant or had is None or summary.study_name == identity.study_name:
             continue
         now = json.loads(json.dumps(identity.values, default=str))  # as the journal stores it (tuples as lists)
-        config_had, config_now = had.get("config", {}), now.get("config", {})
+        config_had = {k: v for k, v in had.get("config", {}).items() if k not in dropped}
+        config_now = now.get("config", {})
         rest_had, rest_now = ({k: v for k, v in d.items() if k != "config"} for d in (had, now))
         added = set(config_now) - set(config_had)
         if (rest_had == rest_now and set(config_had) <= set(config_now)

@@ -7,9 +7,10 @@
 # within a factor of 2, meet 3 values of each other knob over the 0.1x-50x lr range; tests/test_tune.py). PRIMARY first: the paper's AdLoCo, ours and DiLoCo with its batch
 # tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds: CRITICAL) and
 # the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed). Every
-# run evaluates each trainer's synced model every 2 of its 10 inner steps (eval_every_inner_steps: steps to a target
-# at that grain, not in whole rounds).
-# About 4.7 minutes of one core per run: a multi-session study, continued by the same command with the same
+# finalist run evaluates each trainer's synced model every 2 of its 10 inner steps (eval_every_inner_steps: steps
+# to a target at that grain, not in whole rounds); trials make no such evaluation (their objective never reads
+# one, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they made them, with the same numbers).
+# About 2 minutes of one core per trial run: a multi-session study, continued by the same command with the same
 # --storage; the journal is committed as it grows. avx2 kernels, as the probe.
 # ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
 # that commits during hours of runs change nothing that runs); OUT (default: this folder): where results land.
