@@ -331,13 +331,15 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     one (another study: its own point 0 runs, a line names what differs). trials.csv says which study each row
     belongs to. (A call with the same config continues its study: test_a_stopped_tuning_run_...)"""
     out = tmp_path / "tune"
-    assert tune_main(tune_args(out, cache_dir, "--trials", "1", "eval_every_inner_steps=1", seeds="1000,1001")) == 0
+    asked = ["eval_every_inner_steps=1", "plot_every=1"]  # after TINY's plot_every=0: what the call asks for
+    assert tune_main([*tune_args(out, cache_dir, "--trials", "1", seeds="1000,1001"), *asked]) == 0
     (first,) = trials_of(f"sqlite:///{out / 'studies.db'}")  # two tuning seeds: the objective is their mean
     per_seed = first.user_attrs["per_seed"]
     assert len(per_seed) == 2 and first.value == pytest.approx(sum(per_seed) / 2)
     assert [d.rsplit("_", 1)[1] for d in first.user_attrs["run_dirs"]] == ["seed1000", "seed1001"]
     for run in map(Path, first.user_attrs["run_dirs"]):  # the objective reads no mid-round evaluation: none made
-        assert load_config(run / "config.yaml").eval_every_inner_steps == 0
+        assert (load_config(run / "config.yaml").eval_every_inner_steps, load_config(run / "config.yaml").plot_every
+                ) == (0, 0) and not list(run.glob("**/*.png"))
         assert (run / "model_training_report" / "inner_eval.csv").read_text().count("\n") == 1  # its header
     capsys.readouterr()
     assert tune_main(tune_args(out, cache_dir, "--trials", "1", "lr_outer=0.3", max_tokens=1600)) == 0
@@ -350,7 +352,7 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     assert line.startswith("diloco_b2: this call's study diloco_b2@") and "its 1 trials are not counted here" in line
     assert "config.lr_outer: 0.5 -> 0.3" in line
     assert "config.max_tokens: 1500 -> 1600" in line and "tuning_seeds" in line
-    assert "eval_every_inner_steps" not in line  # no part of a study (TRIAL_SKIPS)
+    assert "eval_every_inner_steps" not in line and "plot_every" not in line  # no part of a study (TRIAL_SKIPS)
     storage = f"sqlite:///{out / 'studies.db'}"
     summaries = optuna.get_all_study_summaries(storage)
     assert sorted(variant_of(x) for x in summaries) == ["diloco_b2", "diloco_b2"]

@@ -249,11 +249,12 @@ def checked_regimes(args: Options, chosen: dict[str, Variant]) -> dict:
 # each key added after studies were stored, at its default (it does there what the runs before it did)
 LATER_DEFAULTS = {k: v for k, v in json.loads(json.dumps(Config().to_dict(), default=str)).items() if k in ADDED_LATER}
 MACHINE_KEYS = ("cpu_threads", "cpu_capability")  # each machine's kernels: last digits only (docs/running.md)
-# What a trial's runs skip: a trial's objective reads only the end-of-round curve (the metric at the budget), and a
-# mid-round evaluation changes no training number (tests/test_end_to_end.py), so its runs make none (about half of a
-# nano trial's time, with an evaluation every 2 of 10 inner steps). The key is no part of a study's identity, so a
-# study stored when trials still made them goes on; the finalists keep them (steps and time to a target read them).
-TRIAL_SKIPS = {"eval_every_inner_steps": 0}
+# What a trial's runs skip: a trial's objective reads only the end-of-round curve (the metric at the budget), and
+# neither a mid-round evaluation (tests/test_end_to_end.py) nor a PNG plot changes a training number, so its runs make
+# none: with an evaluation every 2 of 10 inner steps and plots every 4 outer steps, about 60% of a nano trial's time.
+# These keys are no part of a study's identity, so a study stored when trials still made them goes on; the finalists
+# keep them (steps and time to a target read the mid-round evaluations).
+TRIAL_SKIPS = {"eval_every_inner_steps": 0, "plot_every": 0}
 
 
 def identity_of(name: str, variant: Variant, cfg, args: Options, tuning: Tuning, extra: list[str]) -> StudyIdentity:

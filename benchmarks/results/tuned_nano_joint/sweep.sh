@@ -8,8 +8,8 @@
 # tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds: CRITICAL) and
 # the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed). Every
 # finalist run evaluates each trainer's synced model every 2 of its 10 inner steps (eval_every_inner_steps: steps
-# to a target at that grain, not in whole rounds); trials make no such evaluation (their objective never reads
-# one, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they made them, with the same numbers).
+# to a target at that grain, not in whole rounds); trials make no such evaluation and no plot (their objective
+# reads neither, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they made them, with the same numbers).
 # About 2 minutes of one core per trial run: a multi-session study, continued by the same command with the same
 # --storage; the journal is committed as it grows. avx2 kernels, as the probe.
 # ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
