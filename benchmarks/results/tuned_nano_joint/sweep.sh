@@ -9,7 +9,9 @@
 # the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed). Every
 # finalist run evaluates each trainer's synced model every 2 of its 10 inner steps (eval_every_inner_steps: steps
 # to a target at that grain, not in whole rounds); trials make no such evaluation and no plot (their objective
-# reads neither, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they made them, with the same numbers).
+# reads neither, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they made them, with the same numbers). No run draws
+# PNG plots (plot_every 0: 2.5 s a plot every 4 outer steps, a tenth of a finalist's time; the report draws its
+# own from the CSVs, which are the same).
 # About 2 minutes of one core per trial run: a multi-session study, continued by the same command with the same
 # --storage; the journal is committed as it grows. avx2 kernels, as the probe.
 # ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
@@ -29,5 +31,5 @@ exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.ya
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
   --variants "$VARIANTS" --trials "$TRIALS" --tuning_seed 1000,1001 --workers "${WORKERS:-1}" \
   --storage "$OUT"/studies.journal --out "$OUT" \
-  model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 cpu_threads=1 \
+  model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
   cpu_capability=avx2
