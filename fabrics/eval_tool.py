@@ -34,7 +34,7 @@ class Evaluator:
 
     def __init__(self, model: torch.nn.Module, val: PackedData, batch_size: int, device: str,
                  precision: Precision = PRECISIONS["fp32"]) -> None:
-        self.model, self.val, self.batch_size, self.device = model, val, batch_size, device
+        self.model, self.device = model, device
         # the nodes' autocast (a model is judged in the precision it trains in), made once: one replica, never two
         # evaluations at once
         self.autocast = precision.autocast(device)
@@ -43,7 +43,7 @@ class Evaluator:
         self.higher_is_better = self.classification
         # the validation batches with their targets, sliced and on the device once: every evaluation reads the same
         # ones, and the count of what they predict is known without a read from the device
-        self.batches = list(self._batches())
+        self.batches = list(self._batches(val, batch_size))
         # a language model's logits at every position but the last, which predicts nothing: never computed (nor a
         # copy of them sliced), the same numbers
         self.predicting = {} if self.classification else {
@@ -51,13 +51,13 @@ class Evaluator:
         self.count = sum(len(targets) if self.classification else int((targets != -100).sum())
                          for _, _, targets in self.batches)  # examples, or predicted tokens
 
-    def _batches(self):
-        for start in range(0, len(self.val), self.batch_size):
-            end = start + self.batch_size
-            ids = self.val.input_ids[start:end].to(self.device)
-            mask = self.val.attention_mask[start:end].to(self.device)
+    def _batches(self, val: PackedData, batch_size: int):
+        for start in range(0, len(val), batch_size):
+            end = start + batch_size
+            ids = val.input_ids[start:end].to(self.device)
+            mask = val.attention_mask[start:end].to(self.device)
             if self.classification:
-                yield ids, mask, self.val.labels[start:end].to(self.device)
+                yield ids, mask, val.labels[start:end].to(self.device)
             else:  # token t predicts token t+1: one shift, padding excluded from the targets
                 yield ids, mask, ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
 
@@ -78,10 +78,9 @@ class Evaluator:
                 continue
             total_nll += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
                                          ignore_index=-100).double()
-        count = self.count
-        loss = float(total_nll) / max(count, 1)
+        loss = float(total_nll) / max(self.count, 1)
         if self.classification:
-            accuracy = correct / max(count, 1)
-            return EvalResult(self.metric, accuracy, True, {"val_accuracy": accuracy, "val_loss": loss}, count)
-        ppl = math.exp(loss) if count else float("inf")
-        return EvalResult(self.metric, ppl, False, {"val_perplexity": ppl, "val_loss": loss}, count)
+            accuracy = correct / max(self.count, 1)
+            return EvalResult(self.metric, accuracy, True, {"val_accuracy": accuracy, "val_loss": loss}, self.count)
+        ppl = math.exp(loss) if self.count else float("inf")
+        return EvalResult(self.metric, ppl, False, {"val_perplexity": ppl, "val_loss": loss}, self.count)
