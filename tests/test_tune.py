@@ -19,7 +19,7 @@ from scipy.stats import qmc
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import BestPointEnds, best_point_ends, knobs_of, write_trials
 from benchmarks.tune import main as tune_main
-from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, variant_of
+from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, other_studies, variant_of
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
@@ -422,6 +422,8 @@ def test_a_key_added_later_at_its_default_continues_the_study_made_before_it(tmp
     assert continued(storage, without, later) is without
     changed = StudyIdentity("snoo", {**before.values, "config": {"lr_outer": 0.3}})
     assert continued(storage, changed, later, frozenset({"eval_every_inner_steps"})) is changed
+    (line,) = other_studies(storage, changed, frozenset({"eval_every_inner_steps"}))  # what differs, and only that
+    assert line.endswith("(config.lr_outer: 0.5 -> 0.3): its 0 trials are not counted here"), line
 
 
 def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         identities = {name: continued(storage, identity_of(name, v, regimes[name], args, tuning, extra),
                                       LATER_DEFAULTS, frozenset(TRIAL_SKIPS)) for name, v in chosen.items()}
         for identity in identities.values():
-            for line in other_studies(storage, identity):
+            for line in other_studies(storage, identity, frozenset(TRIAL_SKIPS)):
                 print(line)
         studies = {name: open_study(name, storage, direction,
                                     PointSampler(v.search, regimes[name], design_seed(name)), identities[name])

@@ -152,14 +152,17 @@ def continued(storage: optuna.storages.BaseStorage, identity: StudyIdentity, lat
     return identity
 
 
-def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity) -> list[str]:
+def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity,
+                  dropped: frozenset[str] = frozenset()) -> list[str]:
     """One line per study of the same variant in the storage made under another config, naming what differs (its
-    trials are not this study's)."""
+    trials are not this study's); keys identities no longer hold (dropped, as in continued) are no difference."""
     lines = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         if variant_of(summary) != identity.variant or summary.study_name == identity.study_name:
             continue
         had = summary.user_attrs.get("identity")
+        if had is not None:
+            had = {**had, "config": {k: v for k, v in had.get("config", {}).items() if k not in dropped}}
         why = ("made before studies recorded their config" if had is None else
                "; ".join(differences(had, identity.values)[:4]) or "another search")
         lines.append(f"{identity.variant}: this call's study {identity.study_name}; the storage's "
