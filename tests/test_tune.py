@@ -17,7 +17,7 @@ import pytest
 from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
-from benchmarks.tune import BestPointEnds, best_point_ends, knobs_of, write_trials
+from benchmarks.tune import BestPointEnds, around_best, best_point_ends, knobs_of, write_trials
 from benchmarks.tune import main as tune_main
 from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, other_studies, variant_of
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
@@ -142,6 +142,34 @@ def test_a_best_point_at_the_top_of_eta_where_no_batch_grew_is_a_plateau_not_an_
     assert best_at("bottom", 0.32, runs("bottom", 0, 0)) == BestPointEnds(
         {0: "ETA 0.32: the bottom tenth of its range"}, {})
     assert best_point_ends(optuna.load_study(study_name="flat", storage=storage), {}).edges == {0: words}  # no knob
+
+
+def test_around_the_best_lr_the_table_counts_each_other_knobs_values(tmp_path):
+    # the trials within a factor 2 of the best trial's lr (2e-3 is exactly 2x: in; 3e-3 is not), and the distinct
+    # values of each other knob among them; fewer than 3 of one is said
+    storage = open_storage(str(tmp_path / "studies.journal"), tmp_path)
+    dists = {"lr_inner": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True),
+             "ETA": optuna.distributions.FloatDistribution(0.3, 10.0, log=True),
+             "merge_frequency": optuna.distributions.CategoricalDistribution((2, 3, 4, 8))}
+    study = open_study("adloco", storage, "minimize", PointSampler((LR_INNER,), {}))
+    for i, (lr, eta, every, objective) in enumerate([(1e-3, 1.0, 2, 100.0), (1.5e-3, 2.0, 2, 120.0),
+                                                     (6e-4, 3.0, 4, 130.0), (3e-3, 4.0, 8, 140.0),
+                                                     (2e-3, 1.0, 3, 150.0)]):
+        study.add_trial(optuna.trial.create_trial(params={"lr_inner": lr, "ETA": eta, "merge_frequency": every},
+                                                  distributions=dists, value=objective, user_attrs={"point": i}))
+    assert around_best(study) == {0: "4 trials within 2x of its lr_inner ran 3 values of ETA, 3 values of "
+                                     "merge_frequency"}
+    study.add_trial(optuna.trial.create_trial(params={"lr_inner": 2.5e-3, "ETA": 5.0, "merge_frequency": 8},
+                                              distributions=dists, value=90.0, user_attrs={"point": 5}))
+    # the best is now 2.5e-3: near it 1.5e-3, 2e-3, 3e-3 and itself
+    assert around_best(study) == {5: "4 trials within 2x of its lr_inner ran 4 values of ETA, 3 values of "
+                                     "merge_frequency"}
+    lone = open_study("diloco_b2", storage, "minimize", PointSampler((LR_INNER,), {}))
+    for i, (lr, eta) in enumerate([(1e-3, 1.0), (1.2e-3, 1.0), (9e-3, 2.0)]):
+        lone.add_trial(optuna.trial.create_trial(params={"lr_inner": lr, "ETA": eta}, value=100.0 + i,
+                                                 distributions={k: dists[k] for k in ("lr_inner", "ETA")},
+                                                 user_attrs={"point": i}))
+    assert around_best(lone) == {0: "2 trials within 2x of its lr_inner ran 1 value of ETA; fewer than 3 of ETA"}
 
 
 def test_every_method_has_a_search_space_and_the_nesterov_baseline_is_dilocos_standard_outer_step():

@@ -13,7 +13,8 @@ validation metric at exactly the token budget. Each study's trials are the point
 sequence (benchmarks/tune/points.py: seeded by the variant, the same on every machine), so no method gets a smarter
 search and no two methods share their points. A best trial on the edge of a range is flagged (trials.csv's edge
 column, and a warning), except at the top of a knob whose decisions its runs never made (ETA where no batch grew on
-any tuning seed: every larger ETA runs the same), which the plateau column names instead.
+any tuning seed: every larger ETA runs the same), which the plateau column names instead; the around_best column
+counts the values of each other knob that the trials near the best trial's lr ran.
 --trials N is how many finished trials each study should hold: a second call continues the studies (to a larger N
 too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked
 failed and run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at
@@ -24,7 +25,7 @@ without the tuned knobs, the token budget, the tuning seeds, the tuned ranges; c
 another budget or other overrides on the same storage starts its own study (a line names what differs) and never
 counts trials measured under another config.
 The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, edge, plateau,
-note, run directory; every study in the storage, so a call naming a few variants keeps the others' rows)
+around_best, note, run directory; every study in the storage, so a call naming a few variants keeps the others' rows)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
 (changed.py: tuning_changed.csv); --untuned DIR:V1,... takes untuned runs from a finished report instead, and
@@ -376,15 +377,15 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], k
                                  for key in t.params)]))
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "plateau", "note",
-                    "run_dir"])
+        w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "plateau",
+                    "around_best", "note", "run_dir"])
         for name, study in every:
-            ends = best_point_ends(study, knobs)
+            ends, around = best_point_ends(study, knobs), around_best(study)
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, study.study_name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
-                            ends.edges.get(t.number, ""), ends.plateaus.get(t.number, ""), t.user_attrs.get("note", ""),
-                            shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
+                            ends.edges.get(t.number, ""), ends.plateaus.get(t.number, ""), around.get(t.number, ""),
+                            t.user_attrs.get("note", ""), shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
 
 
 EDGE = 0.1  # the outer tenth of a range (log ranges in log space): a best point there is a bound, not an optimum
@@ -401,12 +402,18 @@ class BestPointEnds:
     plateaus: dict[int, str]
 
 
-def best_point_ends(study: optuna.Study, knobs: dict[str, Knob]) -> BestPointEnds:
+def finished(study: optuna.Study) -> tuple[list[optuna.trial.FrozenTrial], optuna.trial.FrozenTrial | None]:
+    """A study's finished trials with a finite value, and the best of them (None when there is none)."""
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.value is not None and math.isfinite(t.value)]
-    if not done:
+    pick = max if study.direction.name == "MAXIMIZE" else min
+    return done, (pick(done, key=lambda t: t.value) if done else None)
+
+
+def best_point_ends(study: optuna.Study, knobs: dict[str, Knob]) -> BestPointEnds:
+    done, best = finished(study)
+    if best is None:
         return BestPointEnds({}, {})
-    best = (max if study.direction.name == "MAXIMIZE" else min)(done, key=lambda t: t.value)
     edge, plateau = [], []
     for key, value in best.params.items():
         dist = best.distributions[key]
@@ -431,6 +438,25 @@ def best_point_ends(study: optuna.Study, knobs: dict[str, Knob]) -> BestPointEnd
             edge.append(words)
     return BestPointEnds({best.number: "; ".join(edge)} if edge else {},
                          {best.number: "; ".join(plateau)} if plateau else {})
+
+
+NEAR = 2.0  # "near the best lr": within this factor of it
+
+
+def around_best(study: optuna.Study) -> dict[int, str]:
+    """How the search met the best trial's lr (trial number -> words): the finished trials within a factor of 2 of
+    its lr_inner, and how many distinct values of each other knob they ran (issue 58 asks for at least 3 of each:
+    else a knob was never searched at the best lr, the coupling the joint design removes); a note when fewer."""
+    done, best = finished(study)
+    if best is None or "lr_inner" not in best.params or len(best.params) < 2:
+        return {}
+    lr = best.params["lr_inner"]
+    near = [t for t in done if "lr_inner" in t.params and 1 / NEAR <= t.params["lr_inner"] / lr <= NEAR]
+    counts = {k: len({t.params[k] for t in near if k in t.params}) for k in best.params if k != "lr_inner"}
+    few = [k for k, n in counts.items() if n < 3]
+    ran = ", ".join(f"{n} value{'s' * (n != 1)} of {k}" for k, n in counts.items())
+    return {best.number: f"{len(near)} trial{'s' * (len(near) != 1)} within {NEAR:g}x of its lr_inner ran {ran}"
+            + (f"; fewer than 3 of {', '.join(few)}" if few else "")}
 
 
 def never_decided(trial: optuna.trial.FrozenTrial, count: str) -> bool:
