@@ -16,7 +16,11 @@
 # --storage; the journal is committed as it grows. avx2 kernels, as the probe.
 # ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
 # that commits during hours of runs change nothing that runs); OUT (default: this folder): where results land.
-# PART (default primary): primary | critical | rest.
+# PART (default primary): primary | critical | rest | final. final: the finalists of the primary and critical parts
+# once both are in, each study's best trial on the evaluation seeds 0-9 (--seeds 10: a primary comparison rests on
+# at least 10), tuned variants only, and their report; --trials 8 there tunes nothing more (every study of the call
+# holds at least 8 finished trials: 28 for the primary ones), and a study's best is the best of all its trials. Run
+# final as one process with WORKERS=2 (its finalists share the call's workers; two calls would share run directories).
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
 cd "${TREE:-$ROOT}" || exit 1
@@ -25,11 +29,13 @@ case "${PART:-primary}" in
   critical) VARIANTS=diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32; TRIALS=8 ;;
   rest) VARIANTS=diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch,adloco_paper_always_accumulate,\
 adloco_paper_never_accumulate,adloco_always_accumulate,adloco_never_accumulate,adloco_one_pass,adloco_paper_one_pass; TRIALS=28 ;;
-  *) echo "PART: primary, critical or rest" >&2; exit 2 ;;
+  final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32
+    TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
+  *) echo "PART: primary, critical, rest or final" >&2; exit 2 ;;
 esac
 exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
-  --variants "$VARIANTS" --trials "$TRIALS" --tuning_seed 1000,1001 --workers "${WORKERS:-1}" \
+  --variants "$VARIANTS" --trials "$TRIALS" "${FINALISTS[@]}" --tuning_seed 1000,1001 --workers "${WORKERS:-1}" \
   --storage "$OUT"/studies.journal --out "$OUT" \
   model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
   cpu_capability=avx2
