@@ -1,37 +1,46 @@
 #!/bin/bash
-# Issue 58's re-run of the nano regime (benchmarks/results/tuned_nano: microllama-nano, 4 epochs of the embedded
-# corpus, 2848256 tokens): every study its own quasi-random design over all its knobs at once (AdLoCo: lr, ETA,
-# merge_frequency, starting batch; the Nesterov outer steps: lr, outer lr, momentum; the constant-batch methods'
-# "_tuned_batch" studies: their batch too), each trial on the two tuning seeds 1000 and 1001 (its objective: the
-# mean at the token budget), 28 trials per study (equal per method: the fewest at which the trials near any lr,
-# within a factor of 2, meet 3 values of each other knob over the 0.1x-50x lr range; tests/test_tune.py). PRIMARY first: the paper's AdLoCo, ours and DiLoCo with its batch
-# tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds: CRITICAL) and
-# the other baselines (REST). The request cap is 64 (the probe's 32 capped the warm AdLoCo on every seed). Every
-# finalist run evaluates each trainer's synced model every 2 of its 10 inner steps (eval_every_inner_steps: steps
-# to a target at that grain, not in whole rounds); trials make no such evaluation and no plot (their objective
-# reads neither, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they made them, with the same numbers). No run draws
-# PNG plots (plot_every 0: 2.5 s a plot every 4 outer steps, a tenth of a finalist's time; the report draws its
-# own from the CSVs, which are the same).
-# About 2 minutes of one core per trial run: a multi-session study, continued by the same command with the same
-# --storage; the journal is committed as it grows. avx2 kernels, as the probe.
-# ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so
-# that commits during hours of runs change nothing that runs); OUT (default: this folder): where results land.
-# PART (default primary): primary | critical | rest | final. final: the finalists of the primary and critical parts
-# once both are in, each study's best trial on the evaluation seeds 0-9 (--seeds 10: a primary comparison rests on
+# Issue 58's re-run of the nano regime (benchmarks/results/tuned_nano: microllama-nano, 4 epochs of the embedded corpus,
+# 2848256 tokens): every study its own quasi-random design over all its knobs at once (AdLoCo: lr, ETA, merge_frequency,
+# starting batch; the Nesterov outer steps: lr, outer lr, momentum; the constant-batch methods' "_tuned_batch" studies:
+# their batch too), each trial on the two tuning seeds 1000 and 1001 (its objective: the mean at the token budget), 28
+# trials per study (equal per method: the fewest at which the trials near any lr, within a factor of 2, meet 3 values of
+# each other knob over the 0.1x-50x lr range; tests/test_tune.py). PRIMARY first: the paper's AdLoCo, ours and DiLoCo
+# with its batch tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds:
+# CRITICAL) and the other baselines (REST: DiLoCo with Nesterov, DDP and SNOO, each with its batch tuned). Switch mode's
+# ablations are not tuned (SWITCH): they are ablations of a method, not methods, and at both AdLoCos' tuned points so
+# far no batch grows past the largest that fits (8 against 11: accumulation_used false), so there switch mode never acts
+# and its ablations are those very runs; they run untuned at each variant's own defaults instead, where batches grow to
+# the cap and switch mode decides (python -m benchmarks.compare, 10 seeds, with the matched control). The request cap is
+# 64 (the probe's 32 capped the warm AdLoCo on every seed). Every finalist run evaluates each trainer's synced model
+# every 2 of its 10 inner steps (eval_every_inner_steps: steps to a target at that grain, not in whole rounds); trials
+# make no such evaluation and no plot (their objective reads neither, benchmarks.tune TRIAL_SKIPS; until 2026-11-28 they
+# made them, with the same numbers). No run draws PNG plots (plot_every 0: 2.5 s a plot every 4 outer steps, a tenth of
+# a finalist's time; the report draws its own from the CSVs, which are the same). 2 to 3.5 minutes of one core per trial
+# run: a multi-session study, continued by the same command with the same --storage; the journal is committed as it
+# grows. avx2 kernels, as the probe.
+# ROOT: this checkout (the script's own); TREE (default ROOT): the checkout whose code runs (a worktree of main, so that
+# commits during hours of runs change nothing that runs); OUT (default: this folder): where results land.
+# PART (default primary): primary | critical | rest | switch | final. final: the finalists of the primary and critical
+# parts once both are in, each study's best trial on the evaluation seeds 0-9 (--seeds 10: a primary comparison rests on
 # at least 10), tuned variants only, and their report; --trials 8 there tunes nothing more (every study of the call
 # holds at least 8 finished trials: 28 for the primary ones), and a study's best is the best of all its trials. Run
 # final as one process with WORKERS=2 (its finalists share the call's workers; two calls would share run directories).
+# switch runs its runs one after another (benchmarks.compare): one core, beside a part of the tuner on the other.
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
 cd "${TREE:-$ROOT}" || exit 1
 case "${PART:-primary}" in
   primary) VARIANTS=diloco_tuned_batch,adloco_paper,adloco; TRIALS=28 ;;
   critical) VARIANTS=diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32; TRIALS=8 ;;
-  rest) VARIANTS=diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch,adloco_paper_always_accumulate,\
-adloco_paper_never_accumulate,adloco_always_accumulate,adloco_never_accumulate,adloco_one_pass,adloco_paper_one_pass; TRIALS=28 ;;
+  rest) VARIANTS=diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch; TRIALS=28 ;;
+  switch) exec "$ROOT/.venv/bin/python" -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 10 \
+    --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
+    --variants adloco_paper,adloco,switch --out "$OUT"/switch \
+    model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
+    cpu_capability=avx2 ;;
   final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32
     TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
-  *) echo "PART: primary, critical, rest or final" >&2; exit 2 ;;
+  *) echo "PART: primary, critical, rest, switch or final" >&2; exit 2 ;;
 esac
 exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
