@@ -29,7 +29,7 @@ class Knob:
     interval), one of these whole numbers (low and high unused). decides: the count in a run's summary.json of the
     decisions this knob governs, which a larger value never makes more often (ETA: the batch test's increases): a
     best point at the top of the range whose runs made none of them runs the same at every larger value, so that top
-    is a plateau the range holds, not a bound (benchmarks.tune.edges)."""
+    is a plateau the range holds, not a bound (benchmarks.tune.best_point_ends)."""
     key: str
     low: float = 0.0
     high: float = 0.0

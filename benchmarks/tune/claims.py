@@ -129,6 +129,12 @@ def differences(had: dict, now: dict) -> list[str]:
             for k in sorted(set(flat_had) | set(flat_now)) if flat_had.get(k) != flat_now.get(k)]
 
 
+def without(identity_values: dict, dropped: frozenset[str]) -> dict:
+    """A stored identity's values without the config keys identities no longer hold (what trials stopped reading)."""
+    return {**identity_values, "config": {k: v for k, v in identity_values.get("config", {}).items()
+                                          if k not in dropped}}
+
+
 def continued(storage: optuna.storages.BaseStorage, identity: StudyIdentity, later_defaults: dict[str, object],
               dropped: frozenset[str] = frozenset()) -> StudyIdentity:
     """The stored study of the same variant this identity continues, if any: one whose identity differs only by
@@ -141,8 +147,7 @@ def continued(storage: optuna.storages.BaseStorage, identity: StudyIdentity, lat
         if variant_of(summary) != identity.variant or had is None or summary.study_name == identity.study_name:
             continue
         now = json.loads(json.dumps(identity.values, default=str))  # as the journal stores it (tuples as lists)
-        config_had = {k: v for k, v in had.get("config", {}).items() if k not in dropped}
-        config_now = now.get("config", {})
+        config_had, config_now = without(had, dropped).get("config", {}), now.get("config", {})
         rest_had, rest_now = ({k: v for k, v in d.items() if k != "config"} for d in (had, now))
         added = set(config_now) - set(config_had)
         if (rest_had == rest_now and set(config_had) <= set(config_now)
@@ -162,7 +167,7 @@ def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity,
             continue
         had = summary.user_attrs.get("identity")
         if had is not None:
-            had = {**had, "config": {k: v for k, v in had.get("config", {}).items() if k not in dropped}}
+            had = without(had, dropped)
         why = ("made before studies recorded their config" if had is None else
                "; ".join(differences(had, identity.values)[:4]) or "another search")
         lines.append(f"{identity.variant}: this call's study {identity.study_name}; the storage's "
