@@ -656,6 +656,13 @@ def test_the_paper_ablations_are_the_paper_variant_with_one_component_off():
     known = catalogue(load_config(ROOT / "configs" / "compare_cpu.yaml"), [1, 2, 4, 8, 16], 0.3)
     assert known["adloco_paper_no_adaptive"].overrides == (*PAPER, "sampling_method=constant")
     assert known["adloco_paper_no_merge"].overrides == (*PAPER, "merge_frequency=0")
+    # the no-merge ablations search everything their variant does but the merge interval, which they fix at 0
+    assert [k.key for k in known["adloco_paper_no_merge"].search] == ["lr_inner", "ETA", "initial_batch_size"]
+    assert [k.key for k in known["adloco_no_merge"].search] == ["lr_inner", "ETA", "initial_batch_size"]
+    # the paper's merge interval reaches 24 rounds (its nano best merged every 12 of 1-12); ours stays at 1-12
+    merge_every = {name: next(k.choices for k in known[name].search if k.key == "merge_frequency")
+                   for name in ("adloco", "adloco_paper")}
+    assert merge_every == {"adloco": (1, 2, 3, 4, 6, 8, 12), "adloco_paper": (1, 2, 3, 4, 6, 8, 12, 16, 24)}
     assert known["adloco_paper_always_accumulate"].overrides == (*PAPER, "switch_mode=only_gradient_accumulation")
     assert known["adloco_paper_never_accumulate"].overrides == (*PAPER, "switch_mode=only_data_loader")
     with pytest.raises(SystemExit, match="adloco_no_switch had two meanings .* renamed: adloco_never_accumulate"):
