@@ -356,7 +356,9 @@ def progress(study: optuna.Study, trials: int) -> str:
 
 
 def knobs_of(variants: dict[str, Variant]) -> dict[str, Knob]:
-    """The variants' tuned knobs by key (a key is the same knob in every variant that tunes it)."""
+    """The variants' tuned knobs by key, for what a key decides (Knob.decides: the same in every variant that tunes
+    it); ranges may differ by variant (merge_frequency: the paper's reaches 24), so edges read each trial's own
+    distribution, never this."""
     return {k.key: k for v in variants.values() for k in v.search}
 
 
