@@ -64,11 +64,12 @@ ETA = Knob("ETA", 0.3, 10.0, log=True, decides="batch_increases")  # the norm te
 # estimator starts from 1); nano's best first point sat on the largest of both (6, 8). The paper's choices reach 16
 # too: 13 trials into adloco_paper@f812afd8dd its best (178.2) started at 8, the largest of 1-8. Its merge interval
 # reaches 24 rounds: adloco_paper@020ccaeedd's best (178.45) merged every 12, the largest of 1-12 (ours, best at 6,
-# keeps 1-12 and its finished study adloco@aeac77a97d).
+# keeps 1-12 and its finished study adloco@aeac77a97d). With 1-24, adloco_paper@cf738dcf91's best (183.6: lr 7.1e-3,
+# ETA 2.39, merge every 6, no batch grew) started at 16, the largest of 1-16: the paper's starting batch reaches 32.
 MERGE_EVERY = Knob("merge_frequency", choices=(1, 2, 3, 4, 6, 8, 12))
 PAPER_MERGE_EVERY = Knob("merge_frequency", choices=(1, 2, 3, 4, 6, 8, 12, 16, 24))
 START_BATCH = Knob("initial_batch_size", choices=(2, 4, 8, 16))
-PAPER_START_BATCH = Knob("initial_batch_size", choices=(1, 2, 4, 8, 16))
+PAPER_START_BATCH = Knob("initial_batch_size", choices=(1, 2, 4, 8, 16, 32))
 ADAPTIVE_SPACE = (LR_INNER, ETA, MERGE_EVERY, START_BATCH)
 PAPER_SPACE = (LR_INNER, ETA, PAPER_MERGE_EVERY, PAPER_START_BATCH)
 
