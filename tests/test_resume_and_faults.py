@@ -408,6 +408,32 @@ def test_a_second_signal_exits_at_once(tmp_path, signum, name):
     assert f"{name} again: exiting now" in proc.stderr
 
 
+def test_the_parent_death_signals_repeats_are_one_stop_while_the_dead_tools_threads_exit(tmp_path):
+    """A tool's child gets the parent-death signal once per exiting thread of the dead tool, and getppid() still
+    names the tool while its other threads exit (the flake seen in the sigkilled-tool test of test_tune.py): the
+    repeats are one stop, recorded as SIGTERM (the status a tool's own stop gives), not 'exiting now'. A real
+    SIGTERM after them is still a second signal."""
+    from utils.signals import PARENT_DEATH_SIGNAL, STOP_SIGNALS
+
+    script = tmp_path / "orphaned.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from utils.signals import PARENT_DEATH_SIGNAL, StopSignals\n"
+        "stop = StopSignals().install()\n"
+        "stop.can_checkpoint = True\n"
+        "for _ in range(3):\n"
+        "    os.kill(os.getpid(), PARENT_DEATH_SIGNAL)  # the parent is alive: getppid() is unchanged\n"
+        "assert stop.requested and stop.name == 'SIGTERM'\n"
+        "print('one stop', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert PARENT_DEATH_SIGNAL not in (None, *STOP_SIGNALS)
+    assert proc.stdout == "one stop\n" and proc.returncode == 143
+    assert "SIGTERM again: exiting now" in proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # Node faults
 

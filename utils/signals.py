@@ -34,6 +34,10 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in
                      if hasattr(signal, name))
 NAMES = {signum: signal.Signals(signum).name for signum in STOP_SIGNALS}
 KEPT_IGNORED = (signal.SIGHUP,)  # nohup's: a run started under it must survive the logout
+# What the kernel sends a tool's run.py child when the tool dies (stop_with_parent): a signal of its own, so that its
+# repeats are told from a second SIGTERM by their number alone. getppid() cannot tell them: the kernel sends it once
+# for each exiting thread of the dead tool, handing the child to the next live thread of the same process first.
+PARENT_DEATH_SIGNAL: int | None = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
 
 
 def honoured(signals: tuple[int, ...]) -> tuple[int, ...]:
@@ -76,8 +80,10 @@ class StopSignals:
         return signal_name(self.signum)
 
     def _handle(self, signum: int, frame) -> None:
-        if self.event.is_set() and signum == self.signum and parent_gone():
-            return  # the parent-death signal again: sent once per exiting thread of the dead tool, not a second stop
+        if signum == PARENT_DEATH_SIGNAL:
+            if self.event.is_set():
+                return  # the tool's death again (once per exiting thread of the dead tool) or after a stop: one stop
+            signum = signal.SIGTERM  # the tool's death stops its child as the tool's own SIGTERM would
         if self.event.is_set():  # the second signal: no more waiting
             print(f"\n{signal_name(signum)} again: exiting now without a checkpoint", file=sys.stderr, flush=True)
             os._exit(128 + signum)
@@ -90,7 +96,7 @@ class StopSignals:
 
     def install(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in honoured(STOP_SIGNALS):
+            for signum in (*honoured(STOP_SIGNALS), *([PARENT_DEATH_SIGNAL] if PARENT_DEATH_SIGNAL else [])):
                 previous = signal.signal(signum, self._handle)
                 self._previous.setdefault(signum, previous)  # the handlers from before the first install
         return self
@@ -114,20 +120,20 @@ def stop_with_parent() -> None:
     """A child of a tool (benchmarks.compare / benchmarks.tune set PARENT_ENV to their pid): stop as on SIGTERM (a
     checkpoint, exit 143) when the tool dies, even by SIGKILL, which the tool cannot forward. The children run in
     sessions of their own (a Ctrl-C reaches the tool alone, which passes it on), so nothing else would end them:
-    Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does. The kernel sends it once for each of the dead tool's
-    threads (the child is handed to the next live one first), so its repeats are one stop, not a second signal
-    (StopSignals._handle). Elsewhere nothing changes. Call it after the stop handlers are installed: a tool that
-    died before this ran ends the child at once."""
+    Linux's parent-death signal (prctl PR_SET_PDEATHSIG) does, as PARENT_DEATH_SIGNAL. The kernel sends it once for
+    each of the dead tool's threads (the child is handed to the next live one first), so its repeats are one stop,
+    not a second signal (StopSignals._handle). Elsewhere nothing changes. Call it after the stop handlers are
+    installed: a tool that died before this ran ends the child at once."""
     parent = os.environ.pop(PARENT_ENV, None)  # not inherited by this run's own children
-    if not parent or not sys.platform.startswith("linux"):
+    if not parent or not sys.platform.startswith("linux") or PARENT_DEATH_SIGNAL is None:
         return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL))
     except (OSError, AttributeError):  # no prctl (a libc without it): the tool's own forwarding is all there is
         return
     _parent[:] = [int(parent)]
     if parent_gone():  # the tool died before the prctl: its signal is lost, so send it now
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
