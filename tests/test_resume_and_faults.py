@@ -171,10 +171,32 @@ def test_sigterm_with_clearml_stops_in_time_and_resumes_exactly(reference, tmp_p
         import_run(run_dir, Server)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2])
+def test_every_stop_signal_asks_for_one_stop_under_its_own_name(tmp_path):
+    """Each signal of utils.signals.STOP_SIGNALS (a closed terminal, SLURM's warnings, CPU limits, a UPS...) is
+    handled as one stop request named after it, by the same handler whose whole path (checkpoint, status, exact
+    resume) the next test runs with SIGUSR1 and others with SIGTERM and SIGINT."""
+    script = tmp_path / "each.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from utils.signals import STOP_SIGNALS, StopSignals, signal_name\n"
+        "for signum in STOP_SIGNALS:\n"
+        "    stop = StopSignals().install()\n"
+        "    stop.can_checkpoint = True\n"
+        "    os.kill(os.getpid(), signum)\n"
+        "    assert stop.requested and stop.signum == signum, signum\n"
+        "    stop.uninstall()\n"
+        "    print(signal_name(signum))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) >= {"SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGXCPU"}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1])
 def test_scheduler_signals_stop_like_sigterm_and_resume_exactly(reference, tmp_path, cache_dir, signum):
-    """A closed terminal (SIGHUP) and SLURM's --signal warning (SIGUSR1/2): a checkpoint of the last complete
-    outer step, one line, exit 128 + signum, status.json says so, and --resume is exact."""
+    """SLURM's --signal warning (SIGUSR1; every other stop signal takes the same handler, previous test): a
+    checkpoint of the last complete outer step, one line, exit 128 + signum, status.json says so, and --resume is
+    exact."""
     name = signal.Signals(signum).name
     run_dir = tmp_path / "sched"
     proc = subprocess.Popen(cli(cache_dir, tmp_path, "run_name=sched", "num_outer_steps=40"),
