@@ -11,6 +11,10 @@ repository file now executing (the innermost repository frame); each change of t
 seen before in the step (`files entered`) or back into one already left (`returns`). A file is one concern here, so
 a move between files is a conversation between concerns: issue 61 asks for at most 15 files and 40 returns
 (nanoGPT's step: 2 files, about 3 returns; torchft's DiLoCo: 3-5 files, about 4).
+
+Returns are counted twice: every return as it happens (a loop over nodes, trainers or micro-batches returns once per
+pass), and the distinct places they happen at (the code a reader walking the step by hand meets: a return at the same
+line of the same function, from the same file, counts once however often a loop repeats it).
 """
 
 from __future__ import annotations
@@ -38,26 +42,33 @@ class Walk:
         self.current: str | None = None
         self.seen: list[str] = []
         self.returns: Counter = Counter()  # file -> returns into it
+        self.sites: dict[str, set] = {}  # file -> the distinct places returned to: (from file, function, line)
 
-    def _mine(self, frame) -> str | None:
+    def _mine(self, frame):
+        """The innermost repository frame at or above `frame`, or None."""
         while frame is not None:
             name = frame.f_code.co_filename
             if name.startswith(self.root) and not name.startswith(self.skip):
-                return name[len(self.root):]
+                return frame
             frame = frame.f_back
         return None
 
     def __call__(self, frame, event, arg) -> None:
         if event not in ("call", "return"):
             return
-        now = self._mine(frame if event == "call" else frame.f_back)
+        mine = self._mine(frame if event == "call" else frame.f_back)
+        now = None if mine is None else mine.f_code.co_filename[len(self.root):]
         if now is None or now == self.current:
             return
         if now in self.seen:
             self.returns[now] += 1
+            self.sites.setdefault(now, set()).add((self.current, mine.f_code.co_name, mine.f_lineno))
         else:
             self.seen.append(now)
         self.current = now
+
+    def distinct_returns(self, name: str) -> int:
+        return len(self.sites.get(name, ()))
 
 
 class StepWalk(Walk):
@@ -102,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="run.py overrides (KEY=VALUE)")
     args = p.parse_args(argv)
     walk = walk_step(args.step, args.overrides)
-    rows = [[name, walk.returns[name]] for name in walk.seen]
+    rows = [[name, walk.returns[name], walk.distinct_returns(name)] for name in walk.seen]
     text = table(f"One outer step with a merge (step {args.step}): {len(walk.seen)} files entered, "
-                 f"{sum(walk.returns.values())} returns", ["file (in the order entered)", "returns into it"], rows)
+                 f"{sum(walk.returns.values())} returns, at {sum(r[2] for r in rows)} distinct places",
+                 ["file (in the order entered)", "returns into it", "at distinct places"], rows)
     print(text)
     if args.markdown:
         with Path(args.markdown).open("a") as f:

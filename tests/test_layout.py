@@ -130,16 +130,15 @@ def test_the_benchmarks_start_children_through_one_launcher():
     assert started == {"benchmarks/launch.py": ["cmd"], "benchmarks/gpu_check.py": ['["nvidia-smi']}, started
 
 
-def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):
-    """benchmarks.walk's counter on two hand-made files: a.f calls b.g twice (a -> b, back to a, b again, back to
-    a): files a and b entered, 3 returns (2 into a, 1 into b); frames outside the root (here: none) pass through."""
+def walk_of(tmp_path: Path, a_source: str):
+    """benchmarks.walk's counter over a.f, with a.py's source given and b.py's g a one-liner."""
     import importlib.util
     import sys
 
     from benchmarks.walk import Walk
 
     (tmp_path / "b.py").write_text("def g():\n    return 1\n")
-    (tmp_path / "a.py").write_text("import b\n\n\ndef f():\n    b.g()\n    b.g()\n")
+    (tmp_path / "a.py").write_text(a_source)
     sys.path.insert(0, str(tmp_path))
     try:
         spec = importlib.util.spec_from_file_location("a", tmp_path / "a.py")
@@ -154,7 +153,23 @@ def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("b", None)
+    return walk
+
+
+def test_the_walk_counts_files_entered_and_returns_by_hand(tmp_path):
+    """a.f calls b.g twice (a -> b, back to a, b again, back to a): files a and b entered, 3 returns (2 into a, 1
+    into b), each at its own place (a's lines 5 and 6; b.g); frames outside the root (here: none) pass through."""
+    walk = walk_of(tmp_path, "import b\n\n\ndef f():\n    b.g()\n    b.g()\n")
     assert walk.seen == ["a.py", "b.py"] and dict(walk.returns) == {"a.py": 2, "b.py": 1}
+    assert (walk.distinct_returns("a.py"), walk.distinct_returns("b.py")) == (2, 1)
+
+
+def test_the_walk_counts_a_loops_repeated_returns_once_at_their_distinct_place(tmp_path):
+    """a.f calls b.g three times from one line of a loop: 5 returns as they happen (3 into a, 2 into b), at 2
+    distinct places (a's loop line; b.g)."""
+    walk = walk_of(tmp_path, "import b\n\n\ndef f():\n    for _ in range(3):\n        b.g()\n")
+    assert dict(walk.returns) == {"a.py": 3, "b.py": 2}
+    assert walk.sites == {"a.py": {("b.py", "f", 6)}, "b.py": {("a.py", "g", 1)}}
 
 
 def test_the_benchmarks_run_as_modules_without_patching_the_import_path():
