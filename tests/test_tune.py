@@ -17,7 +17,7 @@ import pytest
 from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
-from benchmarks.tune import BestPointEnds, around_best, best_point_ends, knobs_of, write_trials
+from benchmarks.tune import BestPointEnds, around_best, best_point_ends, decided_counts, knobs_of, write_trials
 from benchmarks.tune import main as tune_main
 from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, other_studies, variant_of
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
@@ -127,11 +127,12 @@ def test_a_best_point_at_the_top_of_eta_where_no_batch_grew_is_a_plateau_not_an_
             dirs.append(str(run))
         return dirs
 
-    def best_at(name: str, value: float, run_dirs: list[str]) -> BestPointEnds:
+    def best_at(name: str, value: float, run_dirs: list[str], decided: dict | None = None) -> BestPointEnds:
         study = open_study(name, storage, "minimize", PointSampler((ETA,), {}))
         for i, (v, objective, dirs) in enumerate([(value, 100.0, run_dirs), (1.0, 200.0, []), (2.0, 300.0, [])]):
+            attrs = {"point": i, "run_dirs": dirs, **({"decided": decided} if decided and i == 0 else {})}
             study.add_trial(optuna.trial.create_trial(params={"ETA": v}, distributions={"ETA": eta}, value=objective,
-                                                      user_attrs={"point": i, "run_dirs": dirs}))
+                                                      user_attrs=attrs))
         return best_point_ends(study, {"ETA": ETA})
 
     words = "ETA 8.33: the top tenth of its range"
@@ -142,6 +143,15 @@ def test_a_best_point_at_the_top_of_eta_where_no_batch_grew_is_a_plateau_not_an_
     assert best_at("bottom", 0.32, runs("bottom", 0, 0)) == BestPointEnds(
         {0: "ETA 0.32: the bottom tenth of its range"}, {})
     assert best_point_ends(optuna.load_study(study_name="flat", storage=storage), {}).edges == {0: words}  # no knob
+    # the trial's own record says it once its run directories are gone (they are never committed): the journal alone
+    gone = [str(tmp_path / "gone_seed0"), str(tmp_path / "gone_seed1")]
+    assert best_at("recorded", 8.33, gone, {"batch_increases": [0, 0]}).plateaus == {
+        0: f"{words}, where batch_increases is 0 on every tuning seed (every larger ETA runs the same)"}
+    assert best_at("recorded_grew", 8.33, gone, {"batch_increases": [0, 3]}) == BestPointEnds({0: words}, {})
+    # what a finished trial records: each seed's count of what its variant's knobs decide (none for DiLoCo's)
+    known = catalogue(load_config(ROOT / "config.yaml", []), [1, 2, 4], 0.3)
+    assert decided_counts(known["adloco"], runs("counted", 0, 2)) == {"batch_increases": [0, 2]}
+    assert decided_counts(known["diloco_tuned_batch"], [str(tmp_path / "gone_seed0")]) == {}
 
 
 def test_around_the_best_lr_the_table_counts_each_other_knobs_values(tmp_path):
@@ -365,6 +375,7 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     per_seed = first.user_attrs["per_seed"]
     assert len(per_seed) == 2 and first.value == pytest.approx(sum(per_seed) / 2)
     assert [d.rsplit("_", 1)[1] for d in first.user_attrs["run_dirs"]] == ["seed1000", "seed1001"]
+    assert first.user_attrs["decided"] == {}  # DiLoCo's lr decides no count (AdLoCo's ETA: test above)
     for run in map(Path, first.user_attrs["run_dirs"]):  # the objective reads no mid-round evaluation: none made
         assert (load_config(run / "config.yaml").eval_every_inner_steps, load_config(run / "config.yaml").plot_every
                 ) == (0, 0) and not list(run.glob("**/*.png"))

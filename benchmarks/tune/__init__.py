@@ -338,6 +338,7 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             trial.set_user_attr("run_dir", str(run_dirs[0]))
             trial.set_user_attr("run_dirs", [str(d) for d in run_dirs])
             trial.set_user_attr("per_seed", [v for v, _ in per_seed])
+            trial.set_user_attr("decided", decided_counts(chosen[name], run_dirs))
             if not all(reached for _, reached in per_seed):
                 trial.set_user_attr("note", "a seed ended below the token budget: its last value")
             study.tell(trial, value)
@@ -461,9 +462,22 @@ def around_best(study: optuna.Study) -> dict[int, str]:
             + (f"; fewer than 3 of {', '.join(few)}" if few else "")}
 
 
+def decided_counts(variant: Variant, run_dirs: list[Path]) -> dict[str, list]:
+    """What the variant's knobs decide (Knob.decides), per tuning seed, from each run's summary.json: kept in the
+    trial's record, so that the journal alone says whether an end of a range is a plateau (run directories are not
+    committed)."""
+    counts = sorted({knob.decides for knob in variant.search if knob.decides})
+    summaries = [json.loads((Path(d) / "summary.json").read_text()) for d in run_dirs] if counts else []
+    return {count: [summary.get(count) for summary in summaries] for count in counts}
+
+
 def never_decided(trial: optuna.trial.FrozenTrial, count: str) -> bool:
-    """Whether every tuning seed's run of the trial reports 0 for `count` in its summary.json (False when one
-    is missing or unreadable: then the end stays an edge)."""
+    """Whether every tuning seed's run of the trial reports 0 for `count`: from the trial's record
+    (decided_counts), else from each run's summary.json (trials recorded before 2026-11-29); False when neither
+    says (then the end stays an edge)."""
+    recorded = trial.user_attrs.get("decided", {}).get(count)
+    if recorded:
+        return all(value == 0 for value in recorded)
     run_dirs = trial.user_attrs.get("run_dirs", [])
     try:
         return bool(run_dirs) and all(json.loads((Path(d) / "summary.json").read_text())[count] == 0
