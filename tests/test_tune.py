@@ -19,7 +19,15 @@ from scipy.stats import qmc
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import BestPointEnds, around_best, best_point_ends, decided_counts, knobs_of, write_trials
 from benchmarks.tune import main as tune_main
-from benchmarks.tune.claims import StudyIdentity, continued, open_storage, open_study, other_studies, variant_of
+from benchmarks.tune.claims import (
+    StudyIdentity,
+    continued,
+    cpu_model,
+    open_storage,
+    open_study,
+    other_studies,
+    variant_of,
+)
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
 from tests.conftest import ROOT, TINY
 from utils.config import load_config
@@ -399,6 +407,7 @@ def test_a_study_is_its_config_a_call_with_another_never_counts_its_trials(tmp_p
     rows = list(csv.DictReader((out / "trials.csv").open()))
     assert len(rows) == 2 and len({r["study"] for r in rows}) == 2 and {r["point"] for r in rows} == {"0"}
     assert all(r["study"].startswith("diloco_b2@") and r["state"] == "COMPLETE" for r in rows)
+    assert {r["cpu"] for r in rows} == {cpu_model()} != {""}  # the processor each trial ran on, recorded
     budgets = {r["study"]: load_config(out / r["run_dir"] / "config.yaml").max_tokens for r in rows}
     assert sorted(budgets.values()) == [1500, 1600]
 

@@ -25,7 +25,8 @@ without the tuned knobs, the token budget, the tuning seeds, the tuned ranges; c
 another budget or other overrides on the same storage starts its own study (a line names what differs) and never
 counts trials measured under another config.
 The outputs in --out: trials.csv (variant, study, trial, point, state, objective, each tuned key, edge, plateau,
-around_best, note, run directory; every study in the storage, so a call naming a few variants keeps the others' rows)
+around_best, the cpu each trial ran on (a run's last digits depend on it), note, run directory; every study in
+the storage, so a call naming a few variants keeps the others' rows)
 and, with --seeds S, each variant's best trial run again on seeds 0..S-1 as VARIANT_tuned beside the untuned
 VARIANT: the comparison harness's report (runs.csv, comparison.md with paired intervals) and what tuning changed
 (changed.py: tuning_changed.csv); --untuned DIR:V1,... takes untuned runs from a finished report instead, and
@@ -381,14 +382,15 @@ def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], k
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "plateau",
-                    "around_best", "note", "run_dir"])
+                    "around_best", "cpu", "note", "run_dir"])
         for name, study in every:
             ends, around = best_point_ends(study, knobs), around_best(study)
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, study.study_name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
                             ends.edges.get(t.number, ""), ends.plateaus.get(t.number, ""), around.get(t.number, ""),
-                            t.user_attrs.get("note", ""), shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
+                            t.user_attrs.get("cpu", ""), t.user_attrs.get("note", ""),
+                            shown_from(t.user_attrs.get("run_dir", ""), path.parent)])
 
 
 EDGE = 0.1  # the outer tenth of a range (log ranges in log space): a best point there is a bound, not an optimum

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
 import socket
 import threading
 import time
@@ -30,6 +31,21 @@ HEARTBEAT_S = 30.0  # how often a trial in flight says it is alive
 GRACE_S = 300.0  # a trial in flight silent this long (its machine gone) is failed, and its point freed
 LABEL_WAIT_S = 60.0  # a lower-numbered trial unlabelled this long after it started lost its owner before deciding
 HOST = socket.gethostname()
+
+
+def cpu_model() -> str:
+    """The processor's model name (a run's last digits depend on it even at one kernel choice: BLAS picks its own
+    code per processor), or the machine type where /proc/cpuinfo does not say."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+CPU = cpu_model()
 
 
 def open_storage(url: str, out: Path) -> optuna.storages.BaseStorage:
@@ -231,7 +247,8 @@ def claim(study: optuna.Study, trials: int, stop: threading.Event) -> tuple[optu
         trial.set_user_attr("note", "no point left when it was asked for (another worker took the last)")
         study.tell(trial, state=TrialState.FAIL)
         return None
-    for key, value in (("point", free[0]), ("host", HOST), ("pid", os.getpid()), ("alive_at", time.time())):
+    for key, value in (("point", free[0]), ("host", HOST), ("cpu", CPU), ("pid", os.getpid()),
+                       ("alive_at", time.time())):
         trial.set_user_attr(key, value)
     return trial, free[0]
 
