@@ -464,13 +464,16 @@ def around_best(study: optuna.Study) -> dict[int, str]:
             + (f"; fewer than 3 of {', '.join(few)}" if few else "")}
 
 
-def decided_counts(variant: Variant, run_dirs: list[Path]) -> dict[str, list]:
-    """What the variant's knobs decide (Knob.decides), per tuning seed, from each run's summary.json: kept in the
-    trial's record, so that the journal alone says whether an end of a range is a plateau (run directories are not
-    committed)."""
-    counts = sorted({knob.decides for knob in variant.search if knob.decides})
+def seed_counts(run_dirs: list, counts: list[str]) -> dict[str, list]:
+    """Each count from each run's summary.json (None where a summary lacks it)."""
     summaries = [json.loads((Path(d) / "summary.json").read_text()) for d in run_dirs] if counts else []
     return {count: [summary.get(count) for summary in summaries] for count in counts}
+
+
+def decided_counts(variant: Variant, run_dirs: list[Path]) -> dict[str, list]:
+    """What the variant's knobs decide (Knob.decides), per tuning seed: kept in the trial's record, so that the
+    journal alone says whether an end of a range is a plateau (run directories are not committed)."""
+    return seed_counts(run_dirs, sorted({knob.decides for knob in variant.search if knob.decides}))
 
 
 def never_decided(trial: optuna.trial.FrozenTrial, count: str) -> bool:
@@ -478,14 +481,12 @@ def never_decided(trial: optuna.trial.FrozenTrial, count: str) -> bool:
     (decided_counts), else from each run's summary.json (trials recorded before 2026-11-29); False when neither
     says (then the end stays an edge)."""
     recorded = trial.user_attrs.get("decided", {}).get(count)
-    if recorded:
-        return all(value == 0 for value in recorded)
-    run_dirs = trial.user_attrs.get("run_dirs", [])
-    try:
-        return bool(run_dirs) and all(json.loads((Path(d) / "summary.json").read_text())[count] == 0
-                                      for d in run_dirs)
-    except (OSError, ValueError, KeyError):
-        return False
+    if not recorded:
+        try:
+            recorded = seed_counts(trial.user_attrs.get("run_dirs", []), [count])[count]
+        except (OSError, ValueError):
+            return False
+    return bool(recorded) and all(value == 0 for value in recorded)
 
 
 def shown_from(run_dir: str, folder: Path) -> str:
