@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,12 +21,20 @@ from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
 from benchmarks.tune import BestPointEnds, around_best, best_point_ends, decided_counts, knobs_of, write_trials
 from benchmarks.tune import main as tune_main
 from benchmarks.tune.claims import (
+    GRACE_S,
+    HOST,
     StudyIdentity,
     continued,
     cpu_model,
+    fail,
+    fail_lost,
+    free_points,
+    heartbeat,
     open_storage,
     open_study,
     other_studies,
+    started_at,
+    still_running,
     variant_of,
 )
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
@@ -434,6 +443,45 @@ def test_two_processes_share_one_study_and_never_run_a_point_twice(tmp_path, cac
     (study,) = {t.user_attrs["run_dir"].rsplit("/", 1)[1].split("_p")[0] for t in done}
     assert sorted(p.name for p in (out / "trials" / "runs").iterdir() if p.is_dir()) == [
         f"{study}_p{i}_seed1000" for i in range(3)]
+
+
+def test_a_paused_worker_keeps_its_point_a_dead_or_reused_or_silent_remote_owner_loses_it(monkeypatch):
+    """A worker stopped by SIGSTOP beats no heartbeat; on its own host its live process keeps its point however long
+    it is silent (a neighbour would otherwise run the same point and find its directory locked). A dead owner, a pid
+    now another process's, and a silent owner on another host lose theirs; a worker whose trial was judged lost
+    stops beating and records nothing over it."""
+    study = optuna.create_study()
+    paused = subprocess.Popen(["sleep", "120"])
+    try:
+        paused.send_signal(signal.SIGSTOP)
+        long_ago = time.time() - 10 * GRACE_S
+        owners = {  # point: its owner's attributes
+            0: {"host": HOST, "pid": paused.pid, "pid_started": started_at(paused.pid)},  # paused, silent
+            1: {"host": HOST, "pid": paused.pid, "pid_started": started_at(paused.pid) - 5.0},  # the pid reused
+            2: {"host": "elsewhere", "pid": paused.pid, "pid_started": 1.0},  # another host, silent
+            3: {"host": "elsewhere", "pid": 1, "pid_started": 1.0, "alive_at": time.time()},  # another host, beating
+        }
+        trials = {}
+        for point, attrs in owners.items():
+            trials[point] = study.ask()
+            for key, value in {"point": point, "alive_at": long_ago, **attrs}.items():
+                trials[point].set_user_attr(key, value)
+        fail_lost(study)
+        assert [still_running(study, trials[p]) for p in range(4)] == [True, False, False, True]
+        assert free_points(study, 5) == [1, 2, 4]
+        paused.kill()
+        paused.wait()
+        fail_lost(study)  # the paused worker died: its point is free now
+        assert not still_running(study, trials[0]) and free_points(study, 5) == [0, 1, 2, 4]
+        assert "process was lost" in study.trials[0].user_attrs["note"]
+    finally:
+        paused.kill()
+        paused.wait()
+    monkeypatch.setattr("benchmarks.tune.claims.HEARTBEAT_S", 0.01)
+    heartbeat(study, trials[0], threading.Event())  # returns: the trial is no longer its own to beat for
+    fail(study, trials[0], "stopped by a signal")  # and a stop records nothing over the judgement
+    assert "process was lost" in study.trials[0].user_attrs["note"]
+    assert study.trials[0].state.name == "FAIL"
 
 
 def test_a_study_is_created_once_in_a_journal_however_often_it_is_opened(tmp_path):

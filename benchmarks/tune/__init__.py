@@ -57,14 +57,17 @@ from benchmarks.compare.runner import RunFailed, resolved, run_variant, warm_sta
 from benchmarks.compare.variants import Knob, Variant, catalogue, custom, select
 from benchmarks.launch import STOPPED_BY, allow_children, stop_children
 from benchmarks.tune.claims import (
+    GRACE_S,
     StudyIdentity,
     claim,
     continued,
+    fail,
     free_points,
     heartbeat,
     open_storage,
     open_study,
     other_studies,
+    still_running,
     variant_of,
 )
 from benchmarks.tune.points import PointSampler, design_seed, distributions, ends
@@ -312,22 +315,22 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
                         extra)[0])
             except RunFailed as exc:
                 if not (exc.training_fault or stop.is_set()):  # the tool's error or bad input, not the method's
-                    trial.set_user_attr("note", f"{exc} (not the method's outcome); its point runs again on the "
-                                                "next call")
-                    study.tell(trial, state=TrialState.FAIL)
+                    fail(study, trial, f"{exc} (not the method's outcome); its point runs again on the next call")
                     raise RuntimeError(str(exc)) from None  # a thread ignores SystemExit: the worker reports this
                 failed = str(exc)
                 run_dirs = None
             except BaseException:
-                trial.set_user_attr("note", "the tool failed while it ran; its point runs again on the next call")
-                study.tell(trial, state=TrialState.FAIL)
+                fail(study, trial, "the tool failed while it ran; its point runs again on the next call")
                 raise
             finally:
                 alive.set()
             if stop.is_set():  # stopped: not finished; the next call runs this point again
-                trial.set_user_attr("note", "stopped by a signal; its point runs again on the next call")
-                study.tell(trial, state=TrialState.FAIL)
+                fail(study, trial, "stopped by a signal; its point runs again on the next call")
                 return
+            if not still_running(study, trial):  # another host's worker judged it lost while it ran
+                print(f"{study.study_name} point {point}: its trial was judged lost while it ran (silent "
+                      f"{GRACE_S:.0f} s); its finished runs are reused when the point runs again", flush=True)
+                continue
             if run_dirs is None:  # a training fault on a seed (a non-finite loss, ...): finished, the worst value
                 trial.set_user_attr("note", failed)
                 study.tell(trial, -math.inf if study.direction.name == "MAXIMIZE" else math.inf)

@@ -4,10 +4,12 @@ Optuna numbers trials atomically in every storage; that order is the claim order
 number n), waits until every lower-numbered trial still deciding has labelled itself, then takes the lowest point
 below --trials that no finished trial holds and no live lower-numbered trial has taken. So two workers never run one
 point, and a point is finished once. A trial in flight records a heartbeat (user attr "alive_at") and its owner
-(host, pid); one whose owner died (same host) or whose heartbeat is older than GRACE_S is marked failed by the next
-worker to look, and its point is free again. A stopped trial (SIGINT / SIGTERM) is marked failed at once. Finished =
-Optuna's COMPLETE: a trial whose run diverged or failed is finished too, at the worst value (its note says why);
-only a stop or a lost owner leaves a point to be run again."""
+(host, pid and the process's start time); one whose owner died (same host) or, on another host, whose heartbeat is
+older than GRACE_S is marked failed by the next worker to look, and its point is free again. On its own host a live
+owner is never judged by its silence: a worker paused (SIGSTOP, a suspended machine) keeps its point, where a
+neighbour would otherwise start the same run and find its directory locked. A stopped trial (SIGINT / SIGTERM) is
+marked failed at once. Finished = Optuna's COMPLETE: a trial whose run diverged or failed is finished too, at the
+worst value (its note says why); only a stop or a lost owner leaves a point to be run again."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from utils.typed_yaml import flatten
 HEARTBEAT_S = 30.0  # how often a trial in flight says it is alive
 GRACE_S = 300.0  # a trial in flight silent this long (its machine gone) is failed, and its point freed
 LABEL_WAIT_S = 60.0  # a lower-numbered trial unlabelled this long after it started lost its owner before deciding
+PID_START_SLACK_S = 1.0  # a process's start time as read again (the boot time it derives from may move by NTP)
 HOST = socket.gethostname()
 
 
@@ -192,11 +195,25 @@ def other_studies(storage: optuna.storages.BaseStorage, identity: StudyIdentity,
     return lines
 
 
+def started_at(pid: int) -> float | None:
+    """When process pid started (psutil's create time), or None when there is no such process."""
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+
+
 def owner_gone(trial: FrozenTrial, now: float) -> bool:
-    """A trial in flight whose owner is dead (this host) or silent for GRACE_S (any host)."""
+    """A trial in flight whose owner is dead (this host), or silent for GRACE_S (another host, or a trial recorded
+    before owners recorded their start time)."""
     attrs = trial.user_attrs
-    if attrs.get("host") == HOST and "pid" in attrs and not psutil.pid_exists(attrs["pid"]):
-        return True
+    if attrs.get("host") == HOST and "pid" in attrs:
+        owner_started = started_at(attrs["pid"])
+        if owner_started is None:
+            return True
+        if "pid_started" in attrs:  # the same process (not a reused pid): alive, however long it has been silent
+            return abs(owner_started - attrs["pid_started"]) > PID_START_SLACK_S
     alive_at = attrs.get("alive_at")
     started = trial.datetime_start.timestamp() if trial.datetime_start else now
     return now - (alive_at if alive_at is not None else started) > (GRACE_S if "point" in attrs else LABEL_WAIT_S)
@@ -248,7 +265,7 @@ def claim(study: optuna.Study, trials: int, stop: threading.Event) -> tuple[optu
         study.tell(trial, state=TrialState.FAIL)
         return None
     for key, value in (("point", free[0]), ("host", HOST), ("cpu", CPU), ("pid", os.getpid()),
-                       ("alive_at", time.time())):
+                       ("pid_started", started_at(os.getpid())), ("alive_at", time.time())):
         trial.set_user_attr(key, value)
     return trial, free[0]
 
@@ -256,4 +273,22 @@ def claim(study: optuna.Study, trials: int, stop: threading.Event) -> tuple[optu
 def heartbeat(study: optuna.Study, trial: optuna.Trial, done: threading.Event) -> None:
     """Until `done`: the trial's alive_at, every HEARTBEAT_S (a thread beside the run)."""
     while not done.wait(HEARTBEAT_S):
-        study._storage.set_trial_user_attr(trial._trial_id, "alive_at", time.time())
+        try:
+            study._storage.set_trial_user_attr(trial._trial_id, "alive_at", time.time())
+        except optuna.exceptions.UpdateFinishedTrialError:  # another worker judged it lost (its owner was silent)
+            return
+
+
+def still_running(study: optuna.Study, trial: optuna.Trial) -> bool:
+    """Whether a trial is still in flight: another worker may have judged it lost (its owner silent GRACE_S)."""
+    return study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING
+
+
+def fail(study: optuna.Study, trial: optuna.Trial, note: str) -> None:
+    """Mark a trial in flight failed with a note (its point runs again); one already judged lost stays as it is."""
+    try:
+        trial.set_user_attr("note", note)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return
+    study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+
