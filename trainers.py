@@ -143,10 +143,17 @@ class DiLoCoTrainer(Trainer):
     def inner_optimizer_factory(cfg: Config):
         def make(params):
             params = list(params)  # a generator (model.parameters()) would be half-consumed by the check below
-            # CUDA: the fused kernel (one launch for all parameters); CPU: the default foreach path
-            fused = {"fused": True} if params and all(p.is_cuda for p in params) else {}
+            # CUDA: the fused kernel (one launch for all parameters). CPU: the foreach path, which torch takes by
+            # default only on CUDA; on CPU it runs the same per-tensor operations in the same order (the same
+            # numbers to the last bit, tests/test_numerics.py) with a third of the Python of the per-tensor loop
+            if params and all(p.is_cuda for p in params):
+                implementation = {"fused": True}
+            elif params and all(p.device.type == "cpu" for p in params):
+                implementation = {"foreach": True}
+            else:
+                implementation = {}
             return torch.optim.AdamW(params, lr=cfg.lr_inner, betas=tuple(cfg.inner_betas),
-                                     weight_decay=cfg.inner_weight_decay, **fused)
+                                     weight_decay=cfg.inner_weight_decay, **implementation)
 
         return make
 

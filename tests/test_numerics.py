@@ -135,6 +135,30 @@ def _trainers(cls, **overrides):
     return [cls(i, state, {"w"}, cfg, ShardSampler(4, i)) for i in range(2)]
 
 
+def test_the_inner_adamw_on_cpu_takes_the_foreach_path_with_the_per_tensor_loops_numbers():
+    """torch takes AdamW's foreach path by default only on CUDA; the inner optimizer asks for it on CPU, where it runs
+    the per-tensor loop's operations in the same order: every weight equal to the last bit after steps with weight
+    decay, on a float32 model's real gradients."""
+    cfg = load_config(None, ["lr_inner=0.01", "inner_weight_decay=0.1"])
+    batch = data().input_ids
+    weights = []
+    for implementation in ("factory", "per_tensor_loop"):
+        model = tiny_model().float()
+        if implementation == "factory":
+            optimizer = DiLoCoTrainer.inner_optimizer_factory(cfg)(model.parameters())
+            assert optimizer.defaults["foreach"] is True
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=tuple(cfg.inner_betas),
+                                          weight_decay=0.1, foreach=False)
+        for step in range(5):
+            optimizer.zero_grad()
+            model(input_ids=batch[2 * step:2 * step + 4], labels=batch[2 * step:2 * step + 4]).loss.backward()
+            optimizer.step()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    assert not all(torch.equal(a, b) for a, b in zip(weights[0], [p for p in tiny_model().float().parameters()]))
+
+
 def test_diloco_outer_step_plain_sgd():
     (t, _) = _trainers(DiLoCoTrainer, lr_outer=0.5)
     t.outer_step({"w": torch.tensor([0.5, 1.0])})  # pseudo-grad (0.5, 1.0)
