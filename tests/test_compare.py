@@ -417,6 +417,60 @@ def test_the_harness_never_clears_a_directory_a_live_run_holds(tmp_path, cache_d
         lock.release()
 
 
+def test_workers_make_the_reports_runs_at_once_and_a_stop_ends_every_one(tmp_path, cache_dir, monkeypatch):
+    """--workers 2: two runs at once, each on cores / 2 threads, then the report reuses them; a SIGTERM to the
+    harness reaches both runs in flight (each checkpoints, resumable), leaves no orphan, exits 143; the next call
+    resumes them and reports."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    import benchmarks.compare.runner as runner
+
+    out = tmp_path / "compare"
+    args = _compare_args(out, cache_dir, "--seeds", "2", "--workers", "2", "--max_tokens", "6000")
+    harness = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    logs = [out / "runs" / f"diloco_b2_seed{s}" / "training_log.log" for s in (0, 1)]
+    deadline = time.time() + 240
+    while not all(log.is_file() and "[outer 2/" in log.read_text() for log in logs):  # both running at once
+        assert harness.poll() is None and time.time() < deadline, harness.communicate()
+        time.sleep(0.2)
+    children = psutil.Process(harness.pid).children(recursive=True)
+    harness.send_signal(signal.SIGTERM)
+    _, err = harness.communicate(timeout=180)
+    assert harness.returncode == 143, err
+    assert "stopped by SIGTERM" in err.strip().splitlines()[-1]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not alive
+    for s in (0, 1):
+        status = json.loads((out / "runs" / f"diloco_b2_seed{s}" / "status.json").read_text())
+        assert (status["state"], status["signal"], status["resumable"]) == ("stopped", "SIGTERM", True)
+    spans = {}
+    real = runner.run_variant
+
+    def timed(name, overrides, seed, *rest):  # when each run began and ended
+        began = time.monotonic()
+        found = real(name, overrides, seed, *rest)
+        spans[seed] = (began, time.monotonic())
+        return found
+
+    monkeypatch.setattr(runner, "run_variant", timed)
+    assert compare_main(args) == 0
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]  # the two resumed at once
+    cores = len(os.sched_getaffinity(0))
+    for s in (0, 1):
+        config = load_config(out / "runs" / f"diloco_b2_seed{s}" / "config.yaml")
+        assert config.cpu_threads == max(1, cores // 2)
+        assert "resuming after outer step" in (out / "runs" / f"diloco_b2_seed{s}.out").read_text()
+    assert sorted(r["seed"] for r in read_csv(out / "runs.csv")) == ["0", "1"]
+    with pytest.raises(SystemExit, match="--workers: 0; give at least 1"):
+        compare_main(_compare_args(out, cache_dir, "--workers", "0"))
+
+
 def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resumes(tmp_path, cache_dir, capsys,
                                                                                    monkeypatch):
     """A Ctrl-C at the terminal (SIGINT to the whole foreground group): the harness passes it to the running

@@ -314,7 +314,7 @@ def finalists_without_their_untuned_selves(out, cache_dir, best, monkeypatch):
     nothing untuned run here, what tuning changed paired seed by seed with the other report's diloco_b2."""
     import csv
 
-    import benchmarks.tune as tune
+    import benchmarks.compare.runner as runner
     from benchmarks.compare.runner import run_variant
 
     untuned = out.parent / "untuned_report"
@@ -332,7 +332,7 @@ def finalists_without_their_untuned_selves(out, cache_dir, best, monkeypatch):
         spans[seed] = (began, time.monotonic())
         return found
 
-    monkeypatch.setattr(tune, "run_variant", timed)
+    monkeypatch.setattr(runner, "run_variant", timed)  # the finalists' workers (runner.run_on_workers)
     assert tune_main(args) == 0
     runs = {p.name for p in (out / "runs").iterdir() if p.is_dir()}
     assert runs == {"diloco_b2_tuned_seed0", "diloco_b2_tuned_seed1"}

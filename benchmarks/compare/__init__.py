@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,7 +27,16 @@ from benchmarks.compare.reader import (
     within_budget,
 )
 from benchmarks.compare.report import summarise, write_outputs
-from benchmarks.compare.runner import RunFailed, fault_row, run_variant, shown, warm_starts
+from benchmarks.compare.runner import (
+    RunFailed,
+    RunJob,
+    fault_row,
+    run_on_workers,
+    run_variant,
+    sharing_cores,
+    shown,
+    warm_starts,
+)
 from benchmarks.compare.variants import (
     CLUSTER_VARIANTS,
     COMMUNICATION_VARIANTS,
@@ -36,6 +46,7 @@ from benchmarks.compare.variants import (
     select,
     variants,
 )
+from benchmarks.launch import STOPPED_BY, allow_children, stop_children
 from utils.config import load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
 from utils.signals import honoured
@@ -105,6 +116,28 @@ def reprice(args: Options) -> int:
     return 0
 
 
+def run_ahead(jobs: list[RunJob], args: Options, out: Path) -> None:
+    """--workers K: the report's runs on K threads (runner.run_on_workers). A signal stops them all (each run
+    checkpoints) and is raised here as main's Interrupted; a run's own error ends in its one line."""
+    stop, errors = threading.Event(), []
+
+    def forward(signum, frame):  # the main thread: stop taking runs, and stop the runs in flight
+        stop.set()
+        stop_children(signum)
+
+    allow_children()
+    previous = {s: signal.signal(s, forward) for s in honoured((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))}
+    try:
+        run_on_workers(jobs, args, out, args.workers, stop, errors)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if STOPPED_BY:
+        raise Interrupted(STOPPED_BY[0])
+    if errors:
+        raise SystemExit(f"error: {errors[0]}")
+
+
 def compare(args: Options) -> int:
     """Every chosen variant and seed at the same token budget, then the report."""
     out = Path(args.out)
@@ -154,6 +187,10 @@ def compare(args: Options) -> int:
     results: dict[str, list[dict]] = {}
     faults: list[dict] = []  # runs that stopped on a training fault (diverged): an outcome, reported apart
     jobs = [(name, seed) for name in chosen for seed in range(args.seeds)]
+    if args.workers > 1:  # every run first, K at once; the loop below then reuses each (or meets its fault again)
+        args = sharing_cores(args, args.workers)
+        run_ahead([RunJob(name, chosen[name].overrides, seed, tuple(starts[seed % len(starts)]) if starts else ())
+                   for name, seed in jobs], args, out)
     for name, seed in tqdm(jobs, desc="runs", unit="run"):
         try:
             run = within_budget(read_run(*run_variant(name, list(chosen[name].overrides), seed, args, out,

@@ -128,6 +128,7 @@ class Options:
     reprice: str  # a report's folder: its replay bundle re-priced, nothing trained (bundle.py)
     model_params: float  # the network model's model size (parameters); 0: the runs' own
     overrides: tuple[str, ...]  # run.py overrides for every variant: --cluster's first, then the command line's
+    workers: int = 1  # runs at once on this machine (runner.run_on_workers); benchmarks.tune: trials at once
     warm_from: str = ""  # the warm starts' model directories, as the report shows them
 
     @classmethod
@@ -172,6 +173,8 @@ class Options:
                              "report (the report itself is never overwritten)")
         if args["seeds"] < 0:
             raise SystemExit(f"error: --seeds: {args['seeds']} is negative")
+        if args.get("workers", 1) < 1:
+            raise SystemExit(f"error: --workers: {args['workers']}; give at least 1 (runs at once on this machine)")
         for flag in ("out", "report_out"):
             if args[flag]:
                 writable_folder(Path(args[flag]), f"--{flag}")
@@ -249,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "payloads, merges, node moves and full-size batch-test statistics scale with it; sketched "
                    "statistics, rounds, syncs and each run's trajectory (batches, merges) stay the run's; give that "
                    "model's --throughput_curve or --node_throughput")
+    p.add_argument("--workers", type=int, default=1, help="runs (benchmarks.tune: trials, then the finalists' runs) "
+                   "at once on this machine, each on cores / K threads "
+                   "(cpu_threads) unless the overrides give cpu_threads; every run is made first, then the report "
+                   "reuses them (a run made at another cpu_threads is another run: give cpu_threads to share runs "
+                   "between calls with different --workers)")
     p.add_argument("overrides", nargs="*", help="run.py key=value overrides applied to every variant, after "
                    "--config (e.g. lr_inner=1e-3 num_inner_steps=10); each variant's own keys come after them")
     return p

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 from benchmarks.compare.options import ROOT, Options
@@ -243,3 +246,69 @@ def shown(path: Path, out: Path | None = None) -> str:
     if out is not None and path.is_relative_to(out.resolve()):
         return f"{path.relative_to(out.resolve())} (in the report's folder)"
     return str(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunJob:
+    """One run of a report: a variant's overrides on one seed, from its warm start (`extra`, or none)."""
+    name: str
+    overrides: tuple[str, ...]
+    seed: int
+    extra: tuple[str, ...] = ()
+
+
+def sharing_cores(args: Options, workers: int) -> Options:
+    """K runs at once on this machine: each on cores / K threads (cpu_threads), unless the command gives its own."""
+    if any(o.startswith("cpu_threads=") for o in args.overrides):
+        return args
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return dataclasses.replace(args, overrides=(*args.overrides, f"cpu_threads={max(1, cores // workers)}"))
+
+
+def on_threads(workers: int, target, *args) -> None:
+    """`workers` threads of target(*args), joined with a timeout, so that signals reach the main thread's handler."""
+    threads = [threading.Thread(target=target, args=args, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(0.2)
+
+
+def run_on_workers(jobs: list[RunJob], args: Options, out: Path, workers: int, stop: threading.Event,
+                   errors: list[str]) -> None:
+    """Every job on `workers` threads, each a run.py child (finished runs reused), before a report that then reuses
+    them all. A run that stops on a training fault (diverged) is an outcome: the report lists it. A run that fails
+    otherwise stops the others (errors gets its line); a stop (the caller's signal handler sets `stop` and forwards
+    the signal to the children: benchmarks.launch.stop_children) ends them too."""
+    jobs = list(jobs)
+    lock = threading.Lock()
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+
+    def work() -> None:  # one thread: take the next run until none is left, a failure or a stop
+        while not stop.is_set():
+            with lock:
+                if not jobs:
+                    return
+                job = jobs.pop(0)
+            try:
+                run_variant(job.name, list(job.overrides), job.seed, args, out, list(job.extra))
+            except RunFailed as exc:
+                if exc.training_fault and not stop.is_set():  # diverged: an outcome, which the report lists
+                    print(f"{job.name} seed {job.seed}: stopped on a training fault; the report lists it")
+                    continue
+                if not stop.is_set():
+                    errors.append(str(exc))
+                    stop.set()
+                return
+            except Exception as exc:  # the tool's own error: one line, every worker stops
+                errors.append(f"{type(exc).__name__}: {exc}")
+                stop.set()
+                return
+            except SystemExit as exc:  # a one-line refusal (a run directory in use, ...): never lost in a thread
+                errors.append(str(exc).removeprefix("error: "))
+                stop.set()
+                return
+
+    on_threads(workers, work)
+

@@ -53,7 +53,16 @@ from optuna.trial import TrialState
 from benchmarks.compare import compare
 from benchmarks.compare.options import Options, build_parser, made
 from benchmarks.compare.reader import read_run, value_at
-from benchmarks.compare.runner import RunFailed, resolved, run_variant, warm_start
+from benchmarks.compare.runner import (
+    RunFailed,
+    RunJob,
+    on_threads,
+    resolved,
+    run_on_workers,
+    run_variant,
+    sharing_cores,
+    warm_start,
+)
 from benchmarks.compare.variants import Knob, Variant, catalogue, custom, select
 from benchmarks.launch import STOPPED_BY, allow_children, stop_children
 from benchmarks.tune.claims import (
@@ -105,7 +114,6 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
     p.prog, p.description = "python -m benchmarks.tune", __doc__
     p.set_defaults(seeds=0, out=str(Path(__file__).resolve().parents[2] / "logs" / "tune"))
     p.add_argument("--trials", type=int, required=True, help="finished trials each variant's study should hold")
-    p.add_argument("--workers", type=int, default=1, help="trials at once on this machine, each on cores / K threads")
     p.add_argument("--storage", default="", help="a database URL or a journal file shared by several tune processes "
                    "(default: the SQLite file OUT/studies.db)")
     p.add_argument("--tuning_seed", type=seed_list, default=(1000, 1001), help="training_seeds of every trial, "
@@ -124,8 +132,8 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Tuning]:
         sources = tuple(changed.parse_source(spec) for spec in values.pop("untuned"))
     except UserError as exc:
         p.error(str(exc))
-    tuning = Tuning(*(values.pop(k) for k in ("trials", "workers", "storage", "tuning_seed", "tuned_only")),
-                    untuned=sources)
+    tuning = Tuning(values.pop("trials"), values["workers"],  # --workers: the harness's, trials at once here too
+                    *(values.pop(k) for k in ("storage", "tuning_seed", "tuned_only")), untuned=sources)
     if tuning.trials < 1 or tuning.workers < 1:
         p.error("--trials and --workers must be at least 1")
     if not values["max_tokens"]:
@@ -174,10 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         studies = {name: open_study(name, storage, direction,
                                     PointSampler(v.search, regimes[name], design_seed(name)), identities[name])
                    for name, v in chosen.items()}
-        threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-                      // tuning.workers)
-        given = any(o.startswith("cpu_threads=") for o in args.overrides)  # the user's own share wins
-        trial_args = args if given else dataclasses.replace(args, overrides=(*args.overrides, f"cpu_threads={threads}"))
+        trial_args = sharing_cores(args, tuning.workers)
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
         write_trials(studies, chosen, knobs, storage, out / "trials.csv")
@@ -202,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         named, specs = finalist_variants(studies, chosen, tuning)
         runs = {**{n: v for n, v in chosen.items() if n in named or v.group == "custom"},  # --add_variant's: always
                 **custom(specs, chosen)}
-        run_finalists(runs, trial_args, out, extra, tuning.workers, stop, errors)
+        jobs = [RunJob(name, v.overrides, seed, tuple(extra)) for name, v in runs.items() for seed in range(args.seeds)]
+        run_on_workers(jobs, trial_args, out, tuning.workers, stop, errors)
         if errors or STOPPED_BY:
             return ended(errors, STOPPED_BY, "the finalists' runs in flight were stopped; run the same command again "
                          "to go on (finished runs are reused, stopped ones resume)")
@@ -216,16 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def on_threads(workers: int, target, *args) -> None:
-    """`workers` threads of target(*args), joined with a timeout, so that signals reach the main thread's handler."""
-    threads = [threading.Thread(target=target, args=args, daemon=True) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        for t in threads:
-            t.join(0.2)
 
 
 def ended(errors: list[str], stopped_by: list[int], stopped: str) -> int:
@@ -516,46 +512,10 @@ def finalist_variants(studies: dict[str, optuna.Study], chosen: dict[str, Varian
     return named, tuple(specs)
 
 
-def run_finalists(variants: dict[str, Variant], args: Options, out: Path, extra: list[str], workers: int,
-                  stop: threading.Event, errors: list[str]) -> None:
-    """Every finalist run (variant x seed) on `workers` threads, each a run.py child, before the report, which then
-    reuses them all. A run that stops on a training fault (diverged) is an outcome: the report lists it. A run that
-    fails otherwise stops the others (errors gets its line); a signal (forward) stops them too."""
-    jobs = [(name, v.overrides, seed) for name, v in variants.items() for seed in range(args.seeds)]
-    lock = threading.Lock()
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-
-    def work() -> None:  # one thread: take the next run until none is left, a failure or a stop
-        while not stop.is_set():
-            with lock:
-                if not jobs:
-                    return
-                name, overrides, seed = jobs.pop(0)
-            try:
-                run_variant(name, list(overrides), seed, args, out, extra)
-            except RunFailed as exc:
-                if exc.training_fault and not stop.is_set():  # diverged: an outcome, which the report lists
-                    print(f"{name} seed {seed}: stopped on a training fault; the report lists it")
-                    continue
-                if not stop.is_set():
-                    errors.append(str(exc))
-                    stop.set()
-                return
-            except Exception as exc:  # the tool's own error: one line, every worker stops
-                errors.append(f"{type(exc).__name__}: {exc}")
-                stop.set()
-                return
-            except SystemExit as exc:  # a one-line refusal (a run directory in use, ...): never lost in a thread
-                errors.append(str(exc).removeprefix("error: "))
-                stop.set()
-                return
-
-    on_threads(workers, work)
-
-
 def report(named: list[str], specs: tuple[str, ...], args: Options, tuning: Tuning) -> int:
     """The harness's report over the finalists (every run reused), and what tuning changed (changed.py)."""
-    code = compare(dataclasses.replace(args, variants=",".join(named), add_variant=(*args.add_variant, *specs)))
+    code = compare(dataclasses.replace(args, variants=",".join(named), add_variant=(*args.add_variant, *specs),
+                                       workers=1))  # every run is made: the report only reads them
     if code == 0:
         from benchmarks.tune import changed
 

@@ -25,7 +25,8 @@
 # at least 10), tuned variants only, and their report; --trials 8 there tunes nothing more (every study of the call
 # holds at least 8 finished trials: 28 for the primary ones), and a study's best is the best of all its trials. Run
 # final as one process with WORKERS=2 (its finalists share the call's workers; two calls would share run directories).
-# switch runs its runs one after another (benchmarks.compare): one core, beside a part of the tuner on the other.
+# switch runs its runs with benchmarks.compare, WORKERS at once (default 1: one core, beside a part of the tuner on
+# the other; WORKERS=2 alone on the 2 cores).
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
 cd "${TREE:-$ROOT}" || exit 1
@@ -35,7 +36,7 @@ case "${PART:-primary}" in
   rest) VARIANTS=diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch; TRIALS=28 ;;
   switch) exec "$ROOT/.venv/bin/python" -m benchmarks.compare --config configs/compare_cpu.yaml --seeds 10 \
     --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
-    --variants adloco_paper,adloco,switch --out "$OUT"/switch \
+    --variants adloco_paper,adloco,switch --workers "${WORKERS:-1}" --out "$OUT"/switch \
     model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
     cpu_capability=avx2 ;;
   final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32
