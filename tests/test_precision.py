@@ -98,7 +98,11 @@ def test_every_precision_sets_the_tf32_switches_so_none_leaks_into_a_later_run()
 
 
 def test_compile_gives_the_eager_losses(fp32_run, tiny_config):
-    run_dir, summary = train(tiny_config(*LONGER, "compile=true", "run_name=compiled"))
+    """The compiled run at the eager run's constant batch 2. Its max_batch 2 (the eager run's is 4) changes no
+    step (a request of 2 runs 2x1 either way) and compiles 2 buckets instead of 4 (test_compile_buckets.py grows a
+    batch across them)."""
+    run_dir, summary = train(tiny_config(*LONGER, "compile=true", "max_batch_size=2", "run_name=compiled"))
+    assert summary["compile"]["buckets"] == [1, 2]
     eager = step_losses(fp32_run[0])
     compiled = step_losses(run_dir)
     assert len(compiled) == len(eager)
