@@ -179,7 +179,11 @@ def test_every_stop_signal_asks_for_one_stop_under_its_own_name(tmp_path):
     script.write_text(
         "import os, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import signal\n"
         "from utils.signals import STOP_SIGNALS, StopSignals, signal_name\n"
+        # as from a terminal: a test suite started under nohup passes SIGHUP on ignored, which a run keeps ignored
+        # by design (test_a_run_under_nohup_survives_the_logout), not the handler this test is about
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
         "for signum in STOP_SIGNALS:\n"
         "    stop = StopSignals().install()\n"
         "    stop.can_checkpoint = True\n"
