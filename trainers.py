@@ -145,7 +145,7 @@ class DiLoCoTrainer(Trainer):
             params = list(params)  # a generator (model.parameters()) would be half-consumed by the check below
             # CUDA: the fused kernel (one launch for all parameters). CPU: the foreach path, which torch takes by
             # default only on CUDA; on CPU it runs the same per-tensor operations in the same order (the same
-            # numbers to the last bit, tests/test_numerics.py) with a third of the Python of the per-tensor loop
+            # numbers to the last bit, tests/test_numerics.py), faster (benchmarks/inner_optimizer.py)
             if params and all(p.is_cuda for p in params):
                 implementation = {"fused": True}
             elif params and all(p.device.type == "cpu" for p in params):

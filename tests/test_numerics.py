@@ -159,6 +159,15 @@ def test_the_inner_adamw_on_cpu_takes_the_foreach_path_with_the_per_tensor_loops
     assert not all(torch.equal(a, b) for a, b in zip(weights[0], [p for p in tiny_model().float().parameters()]))
 
 
+def test_the_inner_optimizer_benchmark_times_both_ways_and_checks_they_agree(capsys):
+    from benchmarks.inner_optimizer import main
+
+    assert main(["--preset", "microllama-tiny", "--vocab", "64", "--steps", "2", "--repeats", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "| inner optimizer (foreach) |" in said and "| per-tensor loop | " in said
+    assert "same weights to the last bit after 4 steps: True" in said
+
+
 def test_diloco_outer_step_plain_sgd():
     (t, _) = _trainers(DiLoCoTrainer, lr_outer=0.5)
     t.outer_step({"w": torch.tensor([0.5, 1.0])})  # pseudo-grad (0.5, 1.0)
