@@ -49,6 +49,17 @@ def stop_children(signum: int) -> None:
             proc.send_signal(signum)
 
 
+def forwarding_to(stop: threading.Event):
+    """The signal handler of a tool whose children run in worker threads (benchmarks.tune, benchmarks.compare
+    --workers): in the main thread, stop taking work (`stop`) and forward the signal to the children in flight, which
+    checkpoint; STOPPED_BY records it, the one record of a stop."""
+    def forward(signum, frame) -> None:
+        stop.set()
+        stop_children(signum)
+
+    return forward
+
+
 def allow_children() -> None:
     """A new call of the tool (in the same process, as tests do): children may start again."""
     with CHILDREN_LOCK:

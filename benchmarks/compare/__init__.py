@@ -46,7 +46,7 @@ from benchmarks.compare.variants import (
     select,
     variants,
 )
-from benchmarks.launch import STOPPED_BY, allow_children, stop_children
+from benchmarks.launch import STOPPED_BY, allow_children, forwarding_to
 from utils.config import load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
 from utils.signals import honoured
@@ -120,12 +120,8 @@ def run_ahead(jobs: list[RunJob], args: Options, out: Path) -> None:
     """--workers K: the report's runs on K threads (runner.run_on_workers). A signal stops them all (each run
     checkpoints) and is raised here as main's Interrupted; a run's own error ends in its one line."""
     stop, errors = threading.Event(), []
-
-    def forward(signum, frame):  # the main thread: stop taking runs, and stop the runs in flight
-        stop.set()
-        stop_children(signum)
-
     allow_children()
+    forward = forwarding_to(stop)
     previous = {s: signal.signal(s, forward) for s in honoured((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))}
     try:
         run_on_workers(jobs, args, out, args.workers, stop, errors)

@@ -64,7 +64,7 @@ from benchmarks.compare.runner import (
     warm_start,
 )
 from benchmarks.compare.variants import Knob, Variant, catalogue, custom, select
-from benchmarks.launch import STOPPED_BY, allow_children, stop_children
+from benchmarks.launch import STOPPED_BY, allow_children, forwarding_to
 from benchmarks.tune.claims import (
     GRACE_S,
     StudyIdentity,
@@ -162,12 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     knobs = knobs_of({**known, **chosen})
     made(out / "trials" / "runs", "--out")  # only once the input is known good
     stop = threading.Event()
-
-    def forward(signum, frame):  # the main thread: stop claiming, and stop the runs in flight (they checkpoint);
-        # the runner records the signal (STOPPED_BY), the one record of a stop
-        stop.set()
-        stop_children(signum)
-
+    forward = forwarding_to(stop)  # stop claiming, and stop the runs in flight (they checkpoint)
     allow_children()
     previous = {s: signal.signal(s, forward) for s in honoured(STOPS)}  # a SIGHUP nohup ignored stays ignored
     try:
