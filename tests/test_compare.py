@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import math
 import os
 import shutil
 from contextlib import redirect_stderr
@@ -12,7 +13,7 @@ import yaml
 
 from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
-from benchmarks.compare.batches import along_training, grows, series_of, token_optimal
+from benchmarks.compare.batches import along_training, fit_steps, grows, noise_scale, series_of, token_optimal
 from benchmarks.compare.variants import catalogue, custom
 from benchmarks.replay import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
@@ -50,6 +51,30 @@ def test_the_critical_batch_where_tokens_are_fewest_by_hand():
     assert token_optimal([(2, None), (4, None)])[0] is None and token_optimal([(2, 100)])[0] is None
 
 
+def test_the_noise_scale_fit_by_hand():
+    """S(B) = S_min (1 + B_noise / B): S_min 100, B_noise 8 gives 300, 200, 150, 125 steps at 4, 8, 16, 32."""
+    assert fit_steps([4, 8, 16, 32], [300, 200, 150, 125]) == pytest.approx((100, 8))
+    # steps falling as fast as 1/B (tokens constant): S_min 0, no batch past B_noise; steps growing with B: 0
+    assert fit_steps([4, 8, 16], [400, 200, 100])[1] == math.inf
+    assert fit_steps([4, 8, 16], [100, 110, 120])[1] == 0
+    # by seed: two seeds 20 apart around the model at every batch, paired; batch 2 (below the optimum 4) is left out,
+    # as is batch 64, which one seed did not reach
+    points = [(2, [900, 900]), (4, [290, 310]), (8, [190, 210]), (16, [140, 160]), (32, [115, 135]), (64, None)]
+    fit, words = noise_scale(points, from_batch=4)
+    assert (fit.s_min, fit.b_noise, fit.batches) == (pytest.approx(100), pytest.approx(8), (4, 8, 16, 32))
+    # resampling the pair: both seeds (the model exactly), twice the low seed (S = 90 + 800/B: B_noise 8.89) or
+    # twice the high one (S = 110 + 800/B: 7.27); each pick has probability 1/4 or more, so the 95% interval is
+    # exactly their range
+    assert (fit.low, fit.high) == (pytest.approx(800 / 110), pytest.approx(800 / 90))
+    assert words == "B_noise 8 (95% seed bootstrap 7.27 to 8.89; S_min 100 steps; fitted to batches 4, 8, 16, 32)"
+    assert noise_scale(points, from_batch=4) == (fit, words)  # a fixed RNG: the same interval every time
+    # too few batches from the optimum up, and a single seed
+    assert noise_scale(points, from_batch=16) == (None, "no B_noise fit: 2 batch(es) from the token-optimal 16 up "
+                                                        "reached the target with every seed; the fit needs 3")
+    one = noise_scale([(4, [300]), (8, [200]), (16, [150])], from_batch=4)[1]
+    assert one.startswith("B_noise 8 (one seed: no interval;")
+
+
 def test_the_critical_batch_along_training_per_sweep():
     """Five targets along training, each the best value any batch of the sweep reached (every seed) by 20%, 35%,
     50%, 65% and 80% of the budget; at each, every batch's tokens to it and the token-optimal rule."""
@@ -76,6 +101,9 @@ def test_the_critical_batch_along_training_per_sweep():
     assert last["in_words"].startswith(">= 4: token-optimal batch 4")
     (sentence,) = grows(rows)
     assert sentence.startswith("diloco: the critical batch grows along training (2 -> ")
+    # two batches: never enough for S(B)'s fit, said at every target
+    assert all(r["b_noise"] is None and r["b_noise_words"].startswith("no B_noise fit") for r in rows)
+    assert sentence.endswith("; S(B)'s B_noise no fit -> no fit -> no fit -> no fit -> no fit")
 
     # a tuned variant from the command line keeps its base's batch: it joins its own sweep, not the untuned one
     known = catalogue(load_config(ROOT / "config.yaml"), [2, 4], 1e-3)

@@ -95,15 +95,21 @@ def summarise(results: dict[str, list[dict]], base: Config, args: Options) -> di
 
 
 def along_training_section(rows: list[dict]) -> list[str]:
-    """Each constant-batch sweep's critical batch at three targets along training, and whether it grows."""
+    """Each constant-batch sweep's critical batch at five targets along training, and whether it grows."""
     if not rows:
         return []
     return ["## The critical batch along training", "",
             "Per constant-batch sweep (batches whose names differ only in _bB), at five targets along training: the "
             "best metric any batch of the sweep had reached with every seed after 20%, 35%, 50%, 65% and 80% of the "
             "token budget (no batch anchors it). Each batch's tokens to the target (mean over seeds, within the "
-            "budget), and the critical batch: the largest batch within 20% of the token-optimal batch's tokens.",
-            "", *table(rows, ["sweep", "when", "target", "tokens_by_batch", "critical_batch", "in_words"]), "",
+            "budget), and the critical batch: the largest batch within 20% of the token-optimal batch's tokens. "
+            "Beside it, McCandlish et al.'s S(B) = S_min (1 + B_noise / B) fitted by least squares (in 1/B, equal "
+            "weight per batch) to the mean optimizer steps to the target of the batches from the token-optimal one "
+            "up that every seed reached (at least 3; the model's tokens rise with B, so it cannot describe the "
+            "batches below the optimum), with B_noise's 95% interval from 2000 resamples of the seeds (seed i of "
+            "every batch together); inf: steps fell as fast as 1/B, no batch of the sweep was past B_noise.",
+            "", *table(rows, ["sweep", "when", "target", "tokens_by_batch", "critical_batch", "in_words",
+                              "b_noise_words"]), "",
             *(f"- {sentence}" for sentence in batches.grows(rows)), ""]
 
 
