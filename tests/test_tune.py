@@ -33,8 +33,8 @@ from benchmarks.tune.claims import (
     open_storage,
     open_study,
     other_studies,
+    record,
     started_at,
-    still_running,
     variant_of,
 )
 from benchmarks.tune.points import SEQUENCE_SEED, PointSampler, design_seed, point_params, unit_point
@@ -467,12 +467,12 @@ def test_a_paused_worker_keeps_its_point_a_dead_or_reused_or_silent_remote_owner
             for key, value in {"point": point, "alive_at": long_ago, **attrs}.items():
                 trials[point].set_user_attr(key, value)
         fail_lost(study)
-        assert [still_running(study, trials[p]) for p in range(4)] == [True, False, False, True]
+        assert [study.trials[p].state.name for p in range(4)] == ["RUNNING", "FAIL", "FAIL", "RUNNING"]
         assert free_points(study, 5) == [1, 2, 4]
         paused.kill()
         paused.wait()
         fail_lost(study)  # the paused worker died: its point is free now
-        assert not still_running(study, trials[0]) and free_points(study, 5) == [0, 1, 2, 4]
+        assert study.trials[0].state.name == "FAIL" and free_points(study, 5) == [0, 1, 2, 4]
         assert "process was lost" in study.trials[0].user_attrs["note"]
     finally:
         paused.kill()
@@ -482,6 +482,12 @@ def test_a_paused_worker_keeps_its_point_a_dead_or_reused_or_silent_remote_owner
     fail(study, trials[0], "stopped by a signal")  # and a stop records nothing over the judgement
     assert "process was lost" in study.trials[0].user_attrs["note"]
     assert study.trials[0].state.name == "FAIL"
+    # nor does a finished run's value, judged lost after any check the worker could make: the first write says so
+    assert not record(study, trials[0], 123.0, {"per_seed": [120.0, 126.0]})
+    assert (study.trials[0].state.name, study.trials[0].values) == ("FAIL", None)
+    assert "per_seed" not in study.trials[0].user_attrs
+    assert record(study, trials[3], 123.0, {"per_seed": [120.0, 126.0]})  # its own, in flight: recorded
+    assert (study.trials[3].values, study.trials[3].user_attrs["per_seed"]) == ([123.0], [120.0, 126.0])
 
 
 def test_a_study_is_created_once_in_a_journal_however_often_it_is_opened(tmp_path):

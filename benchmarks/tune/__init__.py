@@ -76,7 +76,7 @@ from benchmarks.tune.claims import (
     open_storage,
     open_study,
     other_studies,
-    still_running,
+    record,
     variant_of,
 )
 from benchmarks.tune.points import PointSampler, design_seed, distributions, ends
@@ -318,26 +318,21 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             if stop.is_set():  # stopped: not finished; the next call runs this point again
                 fail(study, trial, "stopped by a signal; its point runs again on the next call")
                 return
-            if not still_running(study, trial):  # another host's worker judged it lost while it ran
+            if run_dirs is None:  # a training fault on a seed (a non-finite loss, ...): finished, the worst value
+                value, attrs = -math.inf if study.direction.name == "MAXIMIZE" else math.inf, {"note": failed}
+            else:
+                per_seed = [value_at(read_run(d)["curve"], "tokens", args.max_tokens) for d in run_dirs]
+                value = sum(v for v, _ in per_seed) / len(per_seed)  # the mean over the tuning seeds
+                attrs = {"run_dir": str(run_dirs[0]), "run_dirs": [str(d) for d in run_dirs],
+                         "per_seed": [v for v, _ in per_seed], "decided": decided_counts(chosen[name], run_dirs)}
+                if not all(reached for _, reached in per_seed):
+                    attrs["note"] = "a seed ended below the token budget: its last value"
+            if not record(study, trial, value, attrs):  # another host's worker judged it lost while it ran
                 print(f"{study.study_name} point {point}: its trial was judged lost while it ran (silent "
                       f"{GRACE_S:.0f} s); its finished runs are reused when the point runs again", flush=True)
                 continue
-            if run_dirs is None:  # a training fault on a seed (a non-finite loss, ...): finished, the worst value
-                trial.set_user_attr("note", failed)
-                study.tell(trial, -math.inf if study.direction.name == "MAXIMIZE" else math.inf)
-                print(f"{study.study_name} point {point}: a training fault; {progress(study, tuning.trials)}",
-                      flush=True)
-                continue
-            per_seed = [value_at(read_run(d)["curve"], "tokens", args.max_tokens) for d in run_dirs]
-            value = sum(v for v, _ in per_seed) / len(per_seed)  # the mean over the tuning seeds
-            trial.set_user_attr("run_dir", str(run_dirs[0]))
-            trial.set_user_attr("run_dirs", [str(d) for d in run_dirs])
-            trial.set_user_attr("per_seed", [v for v, _ in per_seed])
-            trial.set_user_attr("decided", decided_counts(chosen[name], run_dirs))
-            if not all(reached for _, reached in per_seed):
-                trial.set_user_attr("note", "a seed ended below the token budget: its last value")
-            study.tell(trial, value)
-            print(f"{study.study_name} point {point}: {value:.4g}; {progress(study, tuning.trials)}", flush=True)
+            outcome = "a training fault" if run_dirs is None else f"{value:.4g}"
+            print(f"{study.study_name} point {point}: {outcome}; {progress(study, tuning.trials)}", flush=True)
 
 
 def progress(study: optuna.Study, trials: int) -> str:

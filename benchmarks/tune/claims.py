@@ -279,9 +279,16 @@ def heartbeat(study: optuna.Study, trial: optuna.Trial, done: threading.Event) -
             return
 
 
-def still_running(study: optuna.Study, trial: optuna.Trial) -> bool:
-    """Whether a trial is still in flight: another worker may have judged it lost (its owner silent GRACE_S)."""
-    return study._storage.get_trial(trial._trial_id).state == TrialState.RUNNING
+def record(study: optuna.Study, trial: optuna.Trial, value: float, attrs: dict[str, object]) -> bool:
+    """Record a finished trial's value and attributes; False, recording nothing more, when another worker judged
+    it lost meanwhile (its first write finds it finished: no check before the writes could close that window)."""
+    try:
+        for key, item in attrs.items():
+            trial.set_user_attr(key, item)
+        study.tell(trial, value)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    return True
 
 
 def fail(study: optuna.Study, trial: optuna.Trial, note: str) -> None:
