@@ -25,6 +25,9 @@
 # at least 10), tuned variants only, and their report; --trials 8 there tunes nothing more (every study of the call
 # holds at least 8 finished trials: 28 for the primary ones), and a study's best is the best of all its trials. Run
 # final as one process with WORKERS=2 (its finalists share the call's workers; two calls would share run directories).
+# Its runs go variant by variant in the order of VARIANTS, all seeds of one before the next: the primary comparisons'
+# first (both AdLoCos, DiLoCo with its batch tuned, and DiLoCo at their starting batches 4 and 8), batch 1 last (its
+# 556 rounds, each evaluated 5 times, make it the costliest), so a session that ends midway leaves them complete.
 # switch runs its runs with benchmarks.compare, WORKERS at once (default 1: one core, beside a part of the tuner on
 # the other; WORKERS=2 alone on the 2 cores).
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -39,7 +42,7 @@ case "${PART:-primary}" in
     --variants adloco_paper,adloco,switch --workers "${WORKERS:-1}" --out "$OUT"/switch \
     model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
     cpu_capability=avx2 ;;
-  final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32
+  final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
     TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
   *) echo "PART: primary, critical, rest, switch or final" >&2; exit 2 ;;
 esac
