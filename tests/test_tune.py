@@ -596,3 +596,38 @@ def test_switch_modes_matched_control_runs_the_full_request_in_one_pass():
         assert always.switch_mode == "only_gradient_accumulation"
         assert control.variance_estimator == always.variance_estimator  # the same method otherwise
     assert {"adloco_one_pass", "adloco_paper_one_pass"} <= set(select(known, "switch", "1,2,4", False))
+
+
+def test_status_reads_a_journal_being_written_and_rewrites_trials_csv(tmp_path, capsys):
+    """benchmarks.tune.status: one line per study (finished, running, failed; the best with its knobs and its edge)
+    and trials.csv from the storage, without running anything; a line half written by a worker at that moment is
+    left for the next look; a missing journal is one line, exit 2."""
+    from benchmarks.tune.status import main as status_main
+    from utils.errors import exit_on_input_error
+
+    journal = tmp_path / "studies.journal"
+    storage = open_storage(str(journal), tmp_path)
+    study = optuna.create_study(study_name="diloco_b2@0123456789", storage=storage)
+    distribution = optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)
+    for point, (lr, value) in enumerate([(1e-3, 300.0), (9e-2, 250.0), (1e-2, None)]):  # the last still running
+        study.enqueue_trial({"lr_inner": lr})
+        trial = study.ask({"lr_inner": distribution})
+        trial.set_user_attr("point", point)
+        if value is not None:
+            study.tell(trial, value)
+    failed = study.ask({"lr_inner": distribution})
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    with journal.open("ab") as f:  # a worker's record, half written
+        f.write(b'{"op_code": 4, "worker_id": "x", "trial_id"')
+    assert status_main(["--storage", str(journal)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # the best (250 at lr 0.09) sits in the top tenth of lr's log range: flagged as trials.csv flags it
+    assert out[0].startswith("diloco_b2@0123456789: 2 finished, 1 running, 1 failed; last started ")
+    assert "best 250 (trial 1, point 1: lr_inner=0.09); edge: lr_inner 0.09: the top tenth of its range" in out[0]
+    assert out[1] == f"trials.csv: {tmp_path / 'trials.csv'}"
+    rows = list(csv.DictReader((tmp_path / "trials.csv").open()))
+    assert [(r["trial"], r["state"], r["objective"]) for r in rows] == [
+        ("0", "COMPLETE", "300.0"), ("1", "COMPLETE", "250.0"), ("2", "RUNNING", ""), ("3", "FAIL", "")]
+    assert rows[1]["edge"].startswith("lr_inner 0.09")
+    assert exit_on_input_error(lambda: status_main(["--storage", str(tmp_path / "none.journal")])) == 2
+    assert capsys.readouterr().err == f"error: --storage: no journal file at {tmp_path / 'none.journal'}\n"
