@@ -30,9 +30,25 @@
 # 556 rounds, each evaluated 5 times, make it the costliest), so a session that ends midway leaves them complete.
 # switch runs its runs with benchmarks.compare, WORKERS at once (default 1: one core, beside a part of the tuner on
 # the other; WORKERS=2 alone on the 2 cores).
+# keep: the finished runs of final and switch (run directories stay out of git, and a fresh checkout loses them) as
+# OUT/finished_runs.tar.gz, their small files only (benchmarks/compare/bundle.py FILES: what reusing and reading a
+# finished run needs); commit it at the end of a session. final and switch unpack it first, never over a file
+# already there, so a fresh checkout goes on where the last session ended instead of training those runs again.
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
 cd "${TREE:-$ROOT}" || exit 1
+KEPT=(config.yaml summary.json status.json model_training_report/training_log.csv model_training_report/merge_events.csv
+  model_training_report/inner_eval.csv model_training_report/node_clock.csv)  # bundle.py FILES
+if [ "${PART:-primary}" = keep ]; then
+  cd "$OUT" || exit 1
+  for d in runs/*/ switch/runs/*/; do
+    [ -f "$d/summary.json" ] || continue
+    for f in "${KEPT[@]}"; do [ -f "$d$f" ] && echo "$d$f"; done
+  done | tar czf finished_runs.tar.gz.tmp -T - && mv finished_runs.tar.gz.tmp finished_runs.tar.gz
+  echo "$(tar tzf finished_runs.tar.gz | grep -c summary.json) finished runs kept in $OUT/finished_runs.tar.gz"; exit 0
+fi
+case "${PART:-primary}" in final|switch) [ -f "$OUT/finished_runs.tar.gz" ] &&
+  tar xzf "$OUT/finished_runs.tar.gz" -C "$OUT" --skip-old-files ;; esac
 case "${PART:-primary}" in
   primary) VARIANTS=diloco_tuned_batch,adloco_paper,adloco; TRIALS=28 ;;
   critical) VARIANTS=diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32; TRIALS=8 ;;
@@ -44,7 +60,7 @@ case "${PART:-primary}" in
     cpu_capability=avx2 ;;
   final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
     TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
-  *) echo "PART: primary, critical, rest, switch or final" >&2; exit 2 ;;
+  *) echo "PART: primary, critical, rest, switch, final or keep" >&2; exit 2 ;;
 esac
 exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
