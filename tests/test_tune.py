@@ -18,7 +18,15 @@ import pytest
 from scipy.stats import qmc
 
 from benchmarks.compare.variants import ETA, LR_INNER, Knob, catalogue
-from benchmarks.tune import BestPointEnds, around_best, best_point_ends, decided_counts, knobs_of, write_trials
+from benchmarks.tune import (
+    BestPointEnds,
+    around_best,
+    best_point_ends,
+    decided_counts,
+    in_named_order,
+    knobs_of,
+    write_trials,
+)
 from benchmarks.tune import main as tune_main
 from benchmarks.tune.claims import (
     GRACE_S,
@@ -631,3 +639,12 @@ def test_status_reads_a_journal_being_written_and_rewrites_trials_csv(tmp_path, 
     assert rows[1]["edge"].startswith("lr_inner 0.09")
     assert exit_on_input_error(lambda: status_main(["--storage", str(tmp_path / "none.journal")])) == 2
     assert capsys.readouterr().err == f"error: --storage: no journal file at {tmp_path / 'none.journal'}\n"
+
+
+def test_the_finalists_run_in_the_order_variants_names_them():
+    """A long final call that stops midway leaves the variants named first complete: the finalists go in --variants'
+    order (VARIANT_tuned where VARIANT stands), the rest after them in the catalogue's order."""
+    runs = dict.fromkeys(["adloco_tuned", "adloco_paper_tuned", "diloco_b1_tuned", "diloco_b4_tuned", "ddp", "snoo"])
+    assert in_named_order(runs, "adloco_paper,diloco_b4,adloco,diloco_b1") == [
+        "adloco_paper_tuned", "diloco_b4_tuned", "adloco_tuned", "diloco_b1_tuned", "ddp", "snoo"]
+    assert in_named_order(runs, "") == list(runs)

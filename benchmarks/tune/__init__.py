@@ -18,7 +18,8 @@ counts the values of each other knob that the trials near the best trial's lr ra
 --trials N is how many finished trials each study should hold: a second call continues the studies (to a larger N
 too); a stop (Ctrl-C, SIGTERM, SIGHUP) loses only the trials in flight, which are marked
 failed and run again by the next call, never counted twice. --workers K runs K trials (then K finalists' runs) at
-once here, each with its share of the cores (cpu_threads). --storage URL shares the studies among processes on
+once here, each with its share of the cores (cpu_threads); the finalists' runs go variant by variant, all seeds of
+one before the next, in the order --variants names them. --storage URL shares the studies among processes on
 several machines (claims.py says how).
 A study is its config: it is named VARIANT@DIGEST of everything that changes its objective (the resolved config
 without the tuned knobs, the token budget, the tuning seeds, the tuned ranges; claims.StudyIdentity), so a call with
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         named, specs = finalist_variants(studies, chosen, tuning)
         runs = {**{n: v for n, v in chosen.items() if n in named or v.group == "custom"},  # --add_variant's: always
                 **custom(specs, chosen)}
-        jobs = [RunJob(name, v.overrides, seed, tuple(extra)) for name, v in runs.items() for seed in range(args.seeds)]
+        jobs = [RunJob(name, runs[name].overrides, seed, tuple(extra)) for name in in_named_order(runs, args.variants)
+                for seed in range(args.seeds)]
         run_on_workers(jobs, trial_args, out, tuning.workers, stop, errors)
         if errors or STOPPED_BY:
             return ended(errors, STOPPED_BY, "the finalists' runs in flight were stopped; run the same command again "
@@ -484,6 +486,18 @@ def shown_from(run_dir: str, folder: Path) -> str:
     if not run_dir or not Path(run_dir).resolve().is_relative_to(folder.resolve()):
         return run_dir
     return os.path.relpath(Path(run_dir).resolve(), folder.resolve())
+
+
+def in_named_order(runs: dict, wanted: str) -> list[str]:
+    """The finalists' run order: variant by variant as --variants names them (a finalist VARIANT_tuned where its
+    VARIANT stands; the rest, named by a group, after them in the catalogue's order), so a long call that stops
+    midway leaves the variants named first complete on every seed."""
+    names = [n for n in wanted.split(",") if n]
+
+    def rank(name: str) -> int:
+        base = name.removesuffix("_tuned")
+        return names.index(base) if base in names else len(names)
+    return sorted(runs, key=rank)  # stable: the catalogue's order among equals
 
 
 def finalist_variants(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tuning: Tuning
