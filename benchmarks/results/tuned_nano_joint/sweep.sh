@@ -26,9 +26,9 @@
 # holds at least 8 finished trials: 28 for the primary ones), and a study's best is the best of all its trials. Run
 # final as one process with WORKERS=2 (its finalists share the call's workers; two calls would share run directories).
 # Its runs go variant by variant in the order of VARIANTS (benchmarks.tune in_named_order), all seeds of one before
-# the next: the primary comparisons'
-# first (both AdLoCos, DiLoCo with its batch tuned, and DiLoCo at their starting batches 4 and 8), batch 1 last (its
-# 556 rounds, each evaluated 5 times, make it the costliest), so a session that ends midway leaves them complete.
+# the next: the primary comparisons' first (both AdLoCos, DiLoCo with its batch tuned, and DiLoCo at their starting
+# batches 4 and 8), batch 1 last (its 556 rounds, each evaluated 5 times, make it the costliest), so a session that
+# ends midway leaves them complete.
 # switch runs its runs with benchmarks.compare, WORKERS at once (default 1: one core, beside a part of the tuner on
 # the other; WORKERS=2 alone on the 2 cores).
 # keep: the finished runs of final and switch (run directories stay out of git, and a fresh checkout loses them) as
