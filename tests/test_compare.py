@@ -13,7 +13,7 @@ import yaml
 
 from benchmarks.compare import main as compare_main
 from benchmarks.compare import value_at
-from benchmarks.compare.batches import along_training, fit_steps, grows, noise_scale, series_of, token_optimal
+from benchmarks.compare.batches import along_training, fit_steps, grows, noise_scale, rows, series_of, token_optimal
 from benchmarks.compare.variants import catalogue, custom
 from benchmarks.replay import accounted_bytes, read_rounds
 from tests.conftest import ROOT, TINY
@@ -73,6 +73,14 @@ def test_the_noise_scale_fit_by_hand():
                                                         "reached the target with every seed; the fit needs 3")
     one = noise_scale([(4, [300]), (8, [200]), (16, [150])], from_batch=4)[1]
     assert one.startswith("B_noise 8 (one seed: no interval;")
+    # at the report's target: runs whose steps to it follow S(B) exactly (tokens S(B) x B: fewest at batch 2)
+    def runs(batch, steps):  # two seeds alike: the metric falls below the target 50 at `steps`
+        curve = [{"tokens": 0, "steps": 0, "metric": 100.0}, {"tokens": steps * batch, "steps": steps, "metric": 10.0}]
+        return [{"curve": curve, "constant_batch": batch}] * 2
+    results = {f"diloco_b{b}": runs(b, 100 * (1 + 8 / b)) for b in (2, 4, 8, 16)}
+    _, words = rows(results, 50.0, higher=False)
+    assert words.endswith("of diloco: 4: token-optimal batch 2 (1000 tokens); within 20%: 2, 4; B_noise 8 (95% seed "
+                          "bootstrap 8 to 8; S_min 100 steps; fitted to batches 2, 4, 8, 16)")
 
 
 def test_the_critical_batch_along_training_per_sweep():

@@ -67,10 +67,10 @@ def rows(results: dict[str, list[dict]], target: float, higher: bool) -> tuple[l
                     "steps_vs_best_constant": steps / best if steps is not None and best else None})
     if not found:
         return out, "critical batch: needs a constant-batch sweep (diloco_bB)"
-    words = [f"{series}: {token_optimal([(b, tokens_to_target(runs, target, higher)) for b, runs in points])[1]}"
-             for series, points in sweeps(results).items()]
-    return out, "critical batch (per node; the largest within 20% of the token-optimal batch's tokens) of " + \
-        "; of ".join(words)
+    measured = {series: at_target(points, target, higher) for series, points in sweeps(results).items()}
+    words = [f"{series}: {at.in_words}; {at.b_noise_words}" for series, at in measured.items()]
+    return out, "critical batch (per node; the largest within 20% of the token-optimal batch's tokens, and S(B)'s " + \
+        "B_noise) of " + "; of ".join(words)
 
 
 # where along training the critical batch is measured (issue 58): at these shares of the token budget, the best value
@@ -170,6 +170,27 @@ def noise_scale(points: list[tuple[int, list[float] | None]], from_batch: int) -
     return fit, fit.words()
 
 
+@dataclass(frozen=True)
+class AtTarget:
+    """One sweep at one target: each batch's mean tokens to it (None: not every seed reached it within the budget),
+    the critical batch by the token-optimal rule, and S(B)'s fit from the token-optimal batch up, each in words."""
+    tokens: list[tuple[int, float | None]]
+    critical_batch: int | None
+    in_words: str
+    fit: NoiseScale | None
+    b_noise_words: str
+
+
+def at_target(points: list[tuple[int, list[dict]]], target: float, higher: bool) -> AtTarget:
+    """One sweep's batches (B, its runs) measured at one target."""
+    tokens = [(b, tokens_to_target(runs, target, higher)) for b, runs in points]
+    batch, words = token_optimal(tokens)
+    optimal = fewest_tokens(tokens)
+    fit, fit_words = (noise_scale([(b, by_seed(runs, target, "steps", higher)) for b, runs in points], optimal[0])
+                      if optimal else (None, "no B_noise fit: no batch reached the target"))
+    return AtTarget(tokens, batch, words, fit, fit_words)
+
+
 def along_training(results: dict[str, list[dict]], budget: float, higher: bool) -> list[dict]:
     """Each sweep's tokens to five targets along training per batch (ALONG_TRAINING), and its critical batch at each
     by the token-optimal rule: whether it grows as training goes on (Zhang et al. 2025 find it grows with the data
@@ -181,16 +202,12 @@ def along_training(results: dict[str, list[dict]], budget: float, higher: bool) 
             target = (max if higher else min)(
                 worst(value_at(r["curve"], "tokens", share * budget, log_scale=not higher)[0] for r in runs)
                 for _, runs in points)
-            tokens = [(b, tokens_to_target(runs, target, higher)) for b, runs in points]
-            batch, words = token_optimal(tokens)
-            optimal = fewest_tokens(tokens)
-            fit, fit_words = (noise_scale([(b, by_seed(runs, target, "steps", higher)) for b, runs in points],
-                                          optimal[0]) if optimal else (None, "no B_noise fit: no batch reached it"))
+            at = at_target(points, target, higher)
             out.append({"sweep": series, "when": when, "tokens": share * budget, "target": target,
                         "tokens_by_batch": "; ".join(f"{b}: {t:.4g}" if t is not None else f"{b}: not reached"
-                                                     for b, t in tokens),
-                        "critical_batch": batch, "in_words": words,
-                        "b_noise": fit.b_noise if fit else None, "b_noise_words": fit_words})
+                                                     for b, t in at.tokens),
+                        "critical_batch": at.critical_batch, "in_words": at.in_words,
+                        "b_noise": at.fit.b_noise if at.fit else None, "b_noise_words": at.b_noise_words})
     return out
 
 
