@@ -38,9 +38,8 @@
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
 cd "${TREE:-$ROOT}" || exit 1
-KEPT=(config.yaml summary.json status.json model_training_report/training_log.csv model_training_report/merge_events.csv
-  model_training_report/inner_eval.csv model_training_report/node_clock.csv)  # bundle.py FILES
 if [ "${PART:-primary}" = keep ]; then
+  read -ra KEPT <<< "$(cd "$ROOT" && .venv/bin/python -c 'from benchmarks.compare.bundle import FILES; print(*FILES)')"
   cd "$OUT" || exit 1
   for d in runs/*/ switch/runs/*/; do
     [ -f "$d/summary.json" ] || continue
