@@ -833,6 +833,10 @@ def test_per_seed_rows_paired_intervals_and_the_papers_comparison_by_hand(tmp_pa
     # is one), then every other comparison with Holm's correction over all of them
     assert text.index("### Primary comparisons") < text.index("### Every other comparison (Holm-corrected")
     assert "| adloco | diloco_b2 | 2 |" in text.split("### Every other")[0] and "only 2 seeds (< 10)" in text
+    # a declared pair is shown once and is not one of Holm's m: adloco_paper and b4 against b2, then adloco, b2 and
+    # adloco_paper against b4 (5, not 6)
+    others = text.split("### Every other")[1].split("## The paper's comparison")[0]
+    assert "| adloco | diloco_b2 |" not in others and "over the report's 5 other comparisons" in others
     assert "holm_p" in text and "holm_established" in text
     best = {r["variant"]: r for r in seeds.paired_rows(seeds.run_rows(results, 4000, targets, False), "diloco_b4")}
     assert best["adloco"]["mean_difference"] == pytest.approx(10.0)  # 90 - 80 and 91 - 81

@@ -258,9 +258,15 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
         row["note"] = "" if row["pairs"] >= PRIMARY_SEEDS else f"only {row['pairs']} seeds (< {PRIMARY_SEEDS})"
     lines += ([*table(primary_rows, [*columns, "note"]), ""] if primary_rows else
               ["None in this report (it holds neither pair).", ""])
-    secondary = paired_rows(rows, reference) if reference and any(r["variant"] == reference for r in rows) else []
+
+    def others(against: str) -> list[dict]:
+        """Each variant against `against`, less the declared pairs: a primary comparison is shown once,
+        uncorrected, and is not one of the comparisons Holm's correction counts."""
+        return [row for row in paired_rows(rows, against) if (row["variant"], row["vs"]) not in primary]
+
+    secondary = others(reference) if reference and any(r["variant"] == reference for r in rows) else []
     best = best_constant(results, rows, higher)
-    post_hoc = paired_rows(rows, best) if best and best != reference else []
+    post_hoc = others(best) if best and best != reference else []
     holm([*secondary, *post_hoc])  # every other comparison of the report, corrected together
     lines += ["### Every other comparison (Holm-corrected within the report)", "",
               f"holm_p: Holm's adjusted p-value over the report's {len(secondary) + len(post_hoc)} other comparisons "
