@@ -35,8 +35,19 @@
 # OUT/finished_runs.tar.gz, their small files only (benchmarks/compare/bundle.py FILES: what reusing and reading a
 # finished run needs); commit it at the end of a session. final and switch unpack it first, never over a file
 # already there, so a fresh checkout goes on where the last session ended instead of training those runs again.
+# final_all: after rest has completed (it leaves OUT/rest.done, committed), the finalists of all three parts and the
+# one report of them all (the nine of final are reused, not run again); refused before rest.done exists, since
+# --trials 8 would otherwise stop the rest studies at 8 trials of their 28.
+# all: final, rest, final_all, switch in turn, each continuing where the last call ended; a part that stops (a signal:
+# exit 128 + its number) or fails ends the chain there. Stop it with pkill -TERM -f 'benchmarks.(tune|compare) --config'.
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 OUT=${OUT:-$ROOT/benchmarks/results/tuned_nano_joint}
+if [ "${PART:-primary}" = all ]; then
+  for part in final rest final_all switch; do
+    PART=$part bash "$0" || { rc=$?; echo "PART=all: PART=$part ended with exit $rc; the chain stops there" >&2; exit $rc; }
+  done
+  exit 0
+fi
 cd "${TREE:-$ROOT}" || exit 1
 if [ "${PART:-primary}" = keep ]; then
   read -ra KEPT <<< "$(cd "$ROOT" && .venv/bin/python -c 'from benchmarks.compare.bundle import FILES; print(*FILES)')"
@@ -47,7 +58,7 @@ if [ "${PART:-primary}" = keep ]; then
   done | tar czf finished_runs.tar.gz.tmp -T - && mv finished_runs.tar.gz.tmp finished_runs.tar.gz
   echo "$(tar tzf finished_runs.tar.gz | grep -c summary.json) finished runs kept in $OUT/finished_runs.tar.gz"; exit 0
 fi
-case "${PART:-primary}" in final|switch) [ -f "$OUT/finished_runs.tar.gz" ] &&
+case "${PART:-primary}" in final|final_all|switch) [ -f "$OUT/finished_runs.tar.gz" ] &&
   tar xzf "$OUT/finished_runs.tar.gz" -C "$OUT" --skip-old-files ;; esac
 case "${PART:-primary}" in
   primary) VARIANTS=diloco_tuned_batch,adloco_paper,adloco; TRIALS=28 ;;
@@ -60,11 +71,19 @@ case "${PART:-primary}" in
     cpu_capability=avx2 ;;
   final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
     TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
-  *) echo "PART: primary, critical, rest, switch, final or keep" >&2; exit 2 ;;
+  final_all) [ -f "$OUT/rest.done" ] || { echo "PART=final_all: PART=rest has not completed ($OUT/rest.done)" >&2
+    exit 2; }
+    VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
+    VARIANTS=$VARIANTS,diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch
+    TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
+  *) echo "PART: primary, critical, rest, switch, final, final_all, all or keep" >&2; exit 2 ;;
 esac
-exec "$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
+"$ROOT/.venv/bin/python" -m benchmarks.tune --config configs/compare_cpu.yaml \
   --max_tokens 2848256 --max_outer_steps 600 --node_throughput 8360 --diloco_batches 1,2,4,8,16,32 \
   --variants "$VARIANTS" --trials "$TRIALS" "${FINALISTS[@]}" --tuning_seed 1000,1001 --workers "${WORKERS:-1}" \
   --storage "$OUT"/studies.journal --out "$OUT" \
   model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
   cpu_capability=avx2
+rc=$?
+[ "$rc" = 0 ] && [ "${PART:-primary}" = rest ] && date -u +%FT%TZ > "$OUT/rest.done"
+exit $rc
