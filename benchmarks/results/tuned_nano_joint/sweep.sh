@@ -60,6 +60,8 @@ if [ "${PART:-primary}" = keep ]; then
 fi
 case "${PART:-primary}" in final|final_all|switch) [ -f "$OUT/finished_runs.tar.gz" ] &&
   tar xzf "$OUT/finished_runs.tar.gz" -C "$OUT" --skip-old-files ;; esac
+# the finalists of the primary and critical parts, in the order they run (final, and the first of final_all's)
+FINAL=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
 case "${PART:-primary}" in
   primary) VARIANTS=diloco_tuned_batch,adloco_paper,adloco; TRIALS=28 ;;
   critical) VARIANTS=diloco_b1,diloco_b2,diloco_b4,diloco_b8,diloco_b16,diloco_b32; TRIALS=8 ;;
@@ -69,12 +71,10 @@ case "${PART:-primary}" in
     --variants adloco_paper,adloco,switch --workers "${WORKERS:-1}" --out "$OUT"/switch \
     model_config.name=microllama-nano max_requested_batch=64 eval_every_inner_steps=2 plot_every=0 cpu_threads=1 \
     cpu_capability=avx2 ;;
-  final) VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
-    TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
+  final) VARIANTS=$FINAL; TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
   final_all) [ -f "$OUT/rest.done" ] || { echo "PART=final_all: PART=rest has not completed ($OUT/rest.done)" >&2
     exit 2; }
-    VARIANTS=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
-    VARIANTS=$VARIANTS,diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch
+    VARIANTS=$FINAL,diloco_nesterov_tuned_batch,ddp_tuned_batch,snoo_tuned_batch
     TRIALS=8; FINALISTS=(--seeds 10 --tuned_only) ;;
   *) echo "PART: primary, critical, rest, switch, final, final_all, all or keep" >&2; exit 2 ;;
 esac
