@@ -538,7 +538,11 @@ def test_a_key_added_later_at_its_default_continues_the_study_made_before_it(tmp
 
 def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):
     # a call naming a subset of the variants (finalists run first for a few) rewrites trials.csv: the rows of the
-    # storage's other studies stay (they were lost once, the table holding only the call's variants)
+    # storage's other studies stay (they were lost once, the table holding only the call's variants), in the
+    # storage's order whichever call writes them, so the status tool writes the same bytes (the tuner once put its
+    # own studies first, and every call reordered the committed file)
+    from benchmarks.tune.status import main as status_main
+
     storage = open_storage(str(tmp_path / "studies.journal"), tmp_path)
     lr = optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
     eta = optuna.distributions.FloatDistribution(0.4, 0.9)
@@ -550,11 +554,13 @@ def test_trials_csv_keeps_the_studies_a_call_does_not_name(tmp_path):
             value=value, user_attrs={"point": 0, "run_dir": str(tmp_path / "trials" / "runs" / f"{name}_p0")}))
     known = catalogue(load_config(str(ROOT / "config.yaml"), TINY), [2], 0.5)
     named = {"diloco_b2": optuna.load_study(study_name="diloco_b2", storage=storage)}
-    write_trials(named, {"diloco_b2": known["diloco_b2"]}, knobs_of(known), storage, tmp_path / "trials.csv")
+    write_trials(named, knobs_of(known), storage, tmp_path / "trials.csv")
     rows = list(csv.DictReader((tmp_path / "trials.csv").open()))
     assert [(r["variant"], r["objective"], r["lr_inner"], r["ETA"]) for r in rows] == [
-        ("diloco_b2", "250.0", "0.002", ""), ("adloco", "300.0", "0.001", "0.7")]
-    assert rows[1]["run_dir"] == os.path.join("trials", "runs", "adloco_p0")  # relative, as the call's own rows
+        ("adloco", "300.0", "0.001", "0.7"), ("diloco_b2", "250.0", "0.002", "")]
+    assert rows[0]["run_dir"] == os.path.join("trials", "runs", "adloco_p0")  # relative, as the call's own rows
+    assert status_main(["--storage", str(tmp_path / "studies.journal"), "--csv", str(tmp_path / "status.csv")]) == 0
+    assert (tmp_path / "status.csv").read_bytes() == (tmp_path / "trials.csv").read_bytes()
 
 
 def test_bad_tuning_options_are_refused_in_one_line(tmp_path, capsys):

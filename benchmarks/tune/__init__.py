@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         trial_args = sharing_cores(args, tuning.workers)
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
-        write_trials(studies, chosen, knobs, storage, out / "trials.csv")
+        write_trials(studies, knobs, storage, out / "trials.csv")
         for study in studies.values():
             for number, words in best_point_ends(study, knobs).edges.items():
                 print(f"warning: {study.study_name}: its best trial ({number}) sits on an edge ({words}); its value "
@@ -355,21 +355,18 @@ def knobs_of(variants: dict[str, Variant]) -> dict[str, Knob]:
     return {k.key: k for v in variants.values() for k in v.search}
 
 
-def write_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], knobs: dict[str, Knob],
-                 storage: optuna.storages.BaseStorage, path: Path) -> None:
-    """Every study in the storage, this call's first (in its order), then the others: a call that names some
-    variants keeps the rows of the rest (the table is the storage's, not the call's). The study column says which
-    study (VARIANT@DIGEST of its config, benchmarks.tune.claims.StudyIdentity) each row belongs to: rows of two
+def write_trials(studies: dict[str, optuna.Study], knobs: dict[str, Knob], storage: optuna.storages.BaseStorage,
+                 path: Path) -> None:
+    """Every study in the storage, in the storage's order (the order the studies were created), whichever call
+    writes it: a call that names some variants keeps the rows of the rest, and the tuner and benchmarks.tune.status
+    write the same bytes from the same storage (the table is the storage's, not the call's). The study column says
+    which study (VARIANT@DIGEST of its config, benchmarks.tune.claims.StudyIdentity) each row belongs to: rows of two
     studies of one variant were measured under different configs and are never to be ranked together."""
-    mine = {study.study_name for study in studies.values()}
-    others = {summary.study_name: (variant_of(summary), optuna.load_study(study_name=summary.study_name,
-                                                                          storage=storage))
-              for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)
-              if summary.study_name not in mine}
-    every = [*((name, study) for name, study in studies.items()), *others.values()]
-    keys = list(dict.fromkeys([*(k.key for v in chosen.values() for k in v.search),
-                               *(key for _, study in others.values() for t in study.get_trials(deepcopy=False)
-                                 for key in t.params)]))
+    mine = {study.study_name: (name, study) for name, study in studies.items()}
+    every = [mine.get(summary.study_name) or (variant_of(summary), optuna.load_study(
+                 study_name=summary.study_name, storage=storage))
+             for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    keys = list(dict.fromkeys(key for _, study in every for t in study.get_trials(deepcopy=False) for key in t.params))
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "plateau",

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     default = Path(args.storage).parent / "trials.csv" if "://" not in args.storage else None
     path = default if args.csv is None else (Path(args.csv) if args.csv else None)
     if path is not None:
-        write_trials({}, {}, knobs, storage, path)
+        write_trials({}, knobs, storage, path)
         print(f"trials.csv: {path}")
     return 0
 
