@@ -78,7 +78,10 @@ def saved_bytes(forward: Callable[[], object], skip: frozenset[int] = frozenset(
 
 
 def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
-    return saved_bytes(lambda: model(**_batch(model, seq_len, batch, "cpu")))
+    """Bytes saved for backward at `batch` on the CPU. A layer saves its weight, which is the parameter itself and
+    counted already in the static bytes: not counted again (the memory plan's rule for fp32 weights)."""
+    weights = frozenset(p.untyped_storage()._cdata for p in model.parameters())
+    return saved_bytes(lambda: model(**_batch(model, seq_len, batch, "cpu")), weights)
 
 
 def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, budget_bytes: float,

@@ -268,6 +268,31 @@ def test_the_probe_never_allocates_past_its_budget(monkeypatch, tiny_config):
     assert max(measured) == 11 and all(static + real(model, cfg.seq_len, b) <= budget for b in measured)
 
 
+def test_the_probe_counts_a_saved_weight_once(tiny_config):
+    """The static bytes hold the parameters; a layer's forward saves its weight for backward, the very same storage.
+    By hand: every layer but the input embedding (which saves the token ids, not its table) saves its weight, so
+    the activations count exactly those parameters' bytes fewer than everything autograd saves. The probe once
+    counted them twice (for the tiny model at batch 1, two thirds of what it counted were weights), so a budget
+    that held k sequences was judged to hold fewer (no committed config's max batch changed: default, compare,
+    warm, c4, paper shape, nano).
+    Then a budget with room for exactly 3 sequences (and a byte to spare) gives 3; the double count gave 0 (not
+    even one sequence: the run refused to start)."""
+    import cluster.max_batch_calculator as mbc
+    from fabrics.models import build_model
+    from trainers import DiLoCoTrainer
+
+    cfg = tiny_config()
+    model = build_model(cfg, 512, 1)
+    everything = mbc.saved_bytes(lambda: model(**mbc._batch(model, cfg.seq_len, 1, "cpu")))
+    saved_weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                        if name != "model.embed_tokens.weight")
+    assert mbc._activation_bytes(model, cfg.seq_len, 1) == everything - saved_weights > 0
+
+    make_optimizer = DiLoCoTrainer.inner_optimizer_factory(cfg)
+    budget = mbc._static_bytes(model, make_optimizer, cfg.seq_len) + mbc._activation_bytes(model, cfg.seq_len, 3) + 1
+    assert saved_weights > 1 and mbc.cpu_max_batch(model, make_optimizer, cfg.seq_len, budget, upper=4096) == 3
+
+
 def test_the_probe_counts_the_optimizer_state_of_every_parameter(tiny_config):
     """The probes hand the optimizer factory model.parameters(), a generator: every parameter gets its AdamW
     state. By hand, n fp32 numbers in t tensors: parameters, gradients, exp_avg and exp_avg_sq (16 n bytes) and
