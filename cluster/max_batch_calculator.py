@@ -77,11 +77,16 @@ def saved_bytes(forward: Callable[[], object], skip: frozenset[int] = frozenset(
     return sum(seen.values()) + logits_bytes
 
 
+def weight_storages(model: torch.nn.Module) -> frozenset[int]:
+    """The parameters' storages, as `saved_bytes` skips them: a layer saves its weight for backward, which is the
+    parameter itself, counted already with the weights."""
+    return frozenset(p.untyped_storage()._cdata for p in model.parameters())
+
+
 def _activation_bytes(model: torch.nn.Module, seq_len: int, batch: int) -> int:
-    """Bytes saved for backward at `batch` on the CPU. A layer saves its weight, which is the parameter itself and
-    counted already in the static bytes: not counted again (the memory plan's rule for fp32 weights)."""
-    weights = frozenset(p.untyped_storage()._cdata for p in model.parameters())
-    return saved_bytes(lambda: model(**_batch(model, seq_len, batch, "cpu")), weights)
+    """Bytes saved for backward at `batch` on the CPU, the weights a layer saves not counted again (they are in the
+    static bytes: the memory plan's rule for fp32 weights)."""
+    return saved_bytes(lambda: model(**_batch(model, seq_len, batch, "cpu")), weight_storages(model))
 
 
 def cpu_max_batch(model: torch.nn.Module, make_optimizer: Callable, seq_len: int, budget_bytes: float,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.max_batch_calculator import MiB, default_device_memory_mb, saved_bytes
+from cluster.max_batch_calculator import MiB, default_device_memory_mb, saved_bytes, weight_storages
 from cluster.placement import card_of, computing_per_device, computing_together, master_device_of
 from utils import run_plan
 from utils.config import Config
@@ -97,7 +97,7 @@ def _activations(model: torch.nn.Module, seq_len: int, batch: int, weights_are_c
     """Bytes saved for backward by one training forward pass on the meta device (+ the logits' gradient).
     weights_are_counted: the weights a layer saves are the node's own (fp32), counted already; under autocast
     they are the layer's half-precision copies, which are new bytes."""
-    own = frozenset(p.untyped_storage()._cdata for p in model.parameters()) if weights_are_counted else frozenset()
+    own = weight_storages(model) if weights_are_counted else frozenset()
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     classifier = type(model).__name__.endswith("ForSequenceClassification")
     labels = torch.zeros(batch, dtype=torch.long, device="meta") if classifier else ids
