@@ -571,6 +571,53 @@ def test_stopping_the_harness_stops_its_running_variant_which_the_next_call_resu
     assert summary["outer_steps"] > stopped_at and summary["tokens_seen"] >= 6000
 
 
+def test_a_stopped_run_that_diverges_after_it_resumes_is_an_outcome_not_run_again(tmp_path, cache_dir, monkeypatch):
+    """A run stopped by a signal, then resumed by the next call, diverges (inject_fault: a NaN loss in round 12, long
+    after the stop): a resume is exact, so a run from the start would diverge at the same step; the harness lists
+    the fault instead of training the seed again from scratch (it did, until 2026-11-29: 5 minutes of a core lost
+    per diverged seed of the nano study's batch 1), and the call after reuses the outcome."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "compare"
+    args = _compare_args(out, cache_dir, "inject_fault=12:0:nan", "--max_tokens", "8000")
+    harness = subprocess.Popen([sys.executable, "-m", "benchmarks.compare", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run_dir = out / "runs" / "diloco_b2_seed0"
+    deadline = time.time() + 240
+    while not ((run_dir / "training_log.log").is_file() and "[outer 2/" in (run_dir / "training_log.log").read_text()):
+        assert harness.poll() is None and time.time() < deadline, harness.communicate()
+        time.sleep(0.2)
+    os.killpg(harness.pid, signal.SIGINT)
+    _, err = harness.communicate(timeout=180)
+    assert harness.returncode == 130, err
+    stopped = json.loads((run_dir / "status.json").read_text())
+    assert stopped["state"] == "stopped" and stopped["resumable"] and stopped["outer_step"] < 12
+
+    from benchmarks.compare import runner
+
+    real, started = runner.run_child, []
+
+    def counted(cmd, log, **kw):
+        started.append(cmd)
+        return real(cmd, log, **kw)
+
+    monkeypatch.setattr(runner, "run_child", counted)
+    with pytest.raises(SystemExit, match="every run stopped on a training fault"):
+        compare_main(args)
+    assert len(started) == 1 and "--resume" in started[0]  # resumed once, never run again from the start
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "fault" and status["exit_code"] == 3 and status["outer_step"] == 11
+    said = (out / "runs" / "diloco_b2_seed0.out").read_text()  # the stopped run's log, then the resumed one's
+    assert f"resuming after outer step {stopped['outer_step']}" in said and "inject_fault: nan" in said
+    with pytest.raises(SystemExit, match="every run stopped on a training fault"):
+        compare_main(args)  # the outcome is reused: nothing runs
+    assert len(started) == 1
+
+
 def test_ran_names_the_smallest_and_largest_shapes_that_really_ran():
     from benchmarks.compare import ran_shapes
 

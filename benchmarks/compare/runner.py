@@ -150,6 +150,10 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
             return run_dir, None
         if code >= 128 or STOPPED_BY:  # stopped again (its checkpoint kept for the next call), not a failed resume
             raise RunFailed(code, f"{run_name} was stopped while it resumed; the next call resumes it again")
+        if code == TrainingFault.exit_code:  # it diverged after resuming: a resume is exact, so a run from the
+            # start would diverge at the same step; the outcome stands (the run's status.json says where)
+            raise RunFailed(code, f"variant {name} (seed {seed}) stopped on a training fault after it resumed "
+                                  f"(not run again from the start; see {log})")
         print(f"{run_name}: it did not resume (see {log}); running it again")
     if run_dir.exists():
         clear_run_dir(run_dir)
