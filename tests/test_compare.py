@@ -1005,6 +1005,35 @@ def test_with_several_warm_starts_the_interval_is_over_the_starts_by_hand():
     assert "starts" not in seeded and seeded["ci95_high"] == pytest.approx(3 + 1.48437, abs=1e-4)
 
 
+def test_the_papers_comparison_also_pairs_each_adloco_with_dilocos_tuned_batch(tmp_path):
+    """Steps and time to the paper comparison's targets (DiLoCo at the starting batch's: 440, 220, 110 here) against
+    DiLoCo with its batch tuned as well, by hand: adloco reaches them at steps 10, 20, 30 (times 1, 2, 3), the
+    batch-tuned DiLoCo at 5, 10, 20 (times 0.5, 1, 2), so 2, 2 and 1.5 on both seeds; a variant whose starting
+    batch is absent still gets its batch-tuned row."""
+    from benchmarks.compare import seeds
+
+    results = {
+        "adloco": [fake_run(tmp_path, "adloco", s, 2, [(1000, 10, 1.0, 300 + s), (2000, 20, 2.0, 150 + s),
+                                                        (4000, 30, 3.0, 90 + s)]) for s in (0, 1)],
+        "diloco_b2": [fake_run(tmp_path, "diloco_b2", s, 2, [(1000, 10, 1.0, 400 * (1 + s / 10)),
+                                                              (2000, 20, 4.0, 200 * (1 + s / 10)),
+                                                              (4000, 40, 8.0, 100 * (1 + s / 10))]) for s in (0, 1)],
+        "diloco_tuned_batch": [fake_run(tmp_path, "diloco_tuned_batch", s, 8, [
+            (1000, 5, 0.5, 430), (2000, 10, 1.0, 210), (4000, 20, 2.0, 100)]) for s in (0, 1)],
+        "adloco_paper": [fake_run(tmp_path, "adloco_paper", s, 1, [(4000, 40, 4.0, 500)]) for s in (0, 1)]}
+    targets = seeds.paper_targets(results["diloco_b2"], 4000, higher=False)
+    rows = seeds.paper_rows(seeds.run_rows(results, 4000, targets, False), results)
+    assert [(r["variant"], r["vs"]) for r in rows] == [
+        ("adloco", "diloco_b2"), ("adloco", "diloco_tuned_batch"),
+        ("adloco_paper", "diloco_b1 (not in this report)"), ("adloco_paper", "diloco_tuned_batch")]
+    batch_tuned = rows[1]
+    assert [batch_tuned[f"steps_{t}"] for t in ("early", "middle", "late")] == pytest.approx([2.0, 2.0, 1.5])
+    assert [batch_tuned[f"sim_time_{t}"] for t in ("early", "middle", "late")] == pytest.approx([2.0, 2.0, 1.5])
+    assert rows[3]["steps_late"] == "0/2 seeds"  # the paper's never reaches 110
+    text = "\n".join(seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path))
+    assert "| adloco | diloco_tuned_batch | 2 | 2 | 2 | 2 | 1.5 | 1.5 |" in text
+
+
 def test_the_primary_comparisons_are_the_paper_pairs_the_report_holds(tmp_path):
     from benchmarks.compare.seeds import primary_pairs
 
