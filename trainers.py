@@ -119,6 +119,14 @@ class LocalSGDTrainer(Trainer):
             self.master[name].copy_(value)
 
 
+def outer_sgd(params: list[torch.Tensor], **hyper) -> torch.optim.SGD:
+    """The outer optimizer on a trainer's fp32 masters. On CPU it asks for torch's foreach path, which torch takes by
+    default only on CUDA: the same per-tensor operations in the same order (the same numbers to the last bit,
+    tests/test_numerics.py), without a Python loop over the tensors."""
+    on_cpu = bool(params) and all(p.device.type == "cpu" for p in params)
+    return torch.optim.SGD(params, **hyper, **({"foreach": True} if on_cpu else {}))
+
+
 class DiLoCoTrainer(Trainer):
     """Inner AdamW; outer SGD (optionally Nesterov) on the averaged pseudo-gradient (Douillard et al. 2024).
 
@@ -135,9 +143,8 @@ class DiLoCoTrainer(Trainer):
         cfg = self.cfg
         for name in self.parameter_names:
             self.master[name].requires_grad_(True)
-        self.outer_optimizer = torch.optim.SGD([self.master[n] for n in sorted(self.parameter_names)],
-                                               lr=cfg.lr_outer, momentum=cfg.outer_momentum,
-                                               nesterov=cfg.outer_nesterov)
+        self.outer_optimizer = outer_sgd([self.master[n] for n in sorted(self.parameter_names)],
+                                         lr=cfg.lr_outer, momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov)
 
     @staticmethod
     def inner_optimizer_factory(cfg: Config):
@@ -174,8 +181,8 @@ class DiLoCoTrainer(Trainer):
     def _shadow_outer_state(self, original: Trainer) -> None:
         params = [self.master[n].requires_grad_(True) for n in sorted(self.parameter_names)]
         group = original.outer_optimizer.param_groups[0]
-        self.outer_optimizer = torch.optim.SGD(params, **{k: group[k] for k in ("lr", "momentum", "nesterov",
-                                                                                "dampening", "weight_decay")})
+        self.outer_optimizer = outer_sgd(params, **{k: group[k] for k in ("lr", "momentum", "nesterov", "dampening",
+                                                                          "weight_decay")})
         for name, param in zip(sorted(self.parameter_names), params):
             buffer = original.outer_optimizer.state.get(original.master[name], {}).get("momentum_buffer")
             if buffer is not None:
@@ -193,9 +200,9 @@ class DiLoCoTrainer(Trainer):
             self.master[name].requires_grad_(True)
         params = [self.master[n] for n in sorted(self.parameter_names)]
         state = self.outer_optimizer.state_dict()
-        self.outer_optimizer = torch.optim.SGD(params, **{k: v for k, v in state["param_groups"][0].items()
-                                                          if k in ("lr", "momentum", "nesterov", "dampening",
-                                                                   "weight_decay")})
+        self.outer_optimizer = outer_sgd(params, **{k: v for k, v in state["param_groups"][0].items()
+                                                    if k in ("lr", "momentum", "nesterov", "dampening",
+                                                             "weight_decay")})
         for param, bufs in zip(params, momenta):
             if any(b is not None for b in bufs):
                 avg = sum(w * (b if b is not None else torch.zeros_like(param)) for w, b in zip(weights, bufs))

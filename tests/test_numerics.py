@@ -159,6 +159,33 @@ def test_the_inner_adamw_on_cpu_takes_the_foreach_path_with_the_per_tensor_loops
     assert not all(torch.equal(a, b) for a, b in zip(weights[0], [p for p in tiny_model().float().parameters()]))
 
 
+@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_the_outer_sgd_on_cpu_takes_the_foreach_path_with_the_per_tensor_loops_numbers(momentum, nesterov):
+    """The outer SGD asks for torch's foreach path on CPU masters (torch's default there is the per-tensor loop):
+    the same masters to the last bit after 4 outer steps of a real trainer, the third stepping one fragment only
+    (streaming: the other parameters have no pseudo-gradient), with plain SGD, momentum and Nesterov."""
+    model = tiny_model().float()
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names = set(state)
+    cfg = load_config(None, ["lr_outer=0.7", f"outer_momentum={momentum}", f"outer_nesterov={nesterov}"])
+    gen = torch.Generator().manual_seed(0)
+    means = [{n: v + 0.01 * torch.randn(v.shape, generator=gen) for n, v in state.items()} for _ in range(4)]
+    fragment = sorted(names)[:3]
+    masters = []
+    for implementation in ("outer_sgd", "per_tensor_loop"):
+        trainer = DiLoCoTrainer(0, state, names, cfg, ShardSampler(4, 0))
+        if implementation == "outer_sgd":
+            assert trainer.outer_optimizer.defaults["foreach"] is True
+        else:
+            trainer.outer_optimizer = torch.optim.SGD([trainer.master[n] for n in sorted(names)], lr=0.7,
+                                                      momentum=momentum, nesterov=nesterov, foreach=False)
+        for i, mean in enumerate(means):
+            trainer.outer_step({n: mean[n] for n in fragment} if i == 2 else mean)
+        masters.append({n: trainer.master[n].detach().clone() for n in names})
+    assert all(torch.equal(masters[0][n], masters[1][n]) for n in names)
+    assert not all(torch.equal(masters[0][n], state[n]) for n in names)
+
+
 def test_the_inner_optimizer_benchmark_times_both_ways_and_checks_they_agree(capsys):
     from benchmarks.inner_optimizer import main
 
