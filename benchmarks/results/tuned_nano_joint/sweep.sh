@@ -33,7 +33,8 @@
 # the other; WORKERS=2 alone on the 2 cores).
 # keep: the finished runs of final and switch (run directories stay out of git, and a fresh checkout loses them) as
 # OUT/finished_runs.tar.gz, their small files only (benchmarks/compare/bundle.py FILES: what reusing and reading a
-# finished run needs); commit it at the end of a session. final and switch unpack it first, never over a file
+# finished run needs), and the runs that stopped on a training fault (an outcome, reused as such: their config,
+# status and log); commit it at the end of a session. final and switch unpack it first, never over a file
 # already there, so a fresh checkout goes on where the last session ended instead of training those runs again.
 # final_all: after rest has completed (it leaves OUT/rest.done, committed), the finalists of all three parts and the
 # one report of them all (the nine of final are reused, not run again); refused before rest.done exists, since
@@ -53,10 +54,13 @@ if [ "${PART:-primary}" = keep ]; then
   read -ra KEPT <<< "$(cd "$ROOT" && .venv/bin/python -c 'from benchmarks.compare.bundle import FILES; print(*FILES)')"
   cd "$OUT" || exit 1
   for d in runs/*/ switch/runs/*/; do
-    [ -f "$d/summary.json" ] || continue
+    # a finished run, or one that stopped on a training fault (its outcome: reused, not trained again)
+    [ -f "$d/summary.json" ] || grep -qs '"state": "fault"' "$d/status.json" || continue
     for f in "${KEPT[@]}"; do [ -f "$d$f" ] && echo "$d$f"; done
   done | tar czf finished_runs.tar.gz.tmp -T - && mv finished_runs.tar.gz.tmp finished_runs.tar.gz
-  echo "$(tar tzf finished_runs.tar.gz | grep -c summary.json) finished runs kept in $OUT/finished_runs.tar.gz"; exit 0
+  faulted=$(grep -ls '"state": "fault"' runs/*/status.json switch/runs/*/status.json | wc -l)
+  echo "$(tar tzf finished_runs.tar.gz | grep -c summary.json) finished runs and $faulted that stopped on a training" \
+    "fault kept in $OUT/finished_runs.tar.gz"; exit 0
 fi
 case "${PART:-primary}" in final|final_all|switch) [ -f "$OUT/finished_runs.tar.gz" ] &&
   tar xzf "$OUT/finished_runs.tar.gz" -C "$OUT" --skip-old-files ;; esac
