@@ -428,13 +428,13 @@ def test_machines_with_different_data_stop_naming_it(tmp_path, cache_dir):
     entry under the same key): the data fingerprints differ and every rank stops saying so."""
     import shutil
 
+    from fabrics.corpus import load_corpus
     from fabrics.dataset_loader import fetch_wheel
 
-    mine = tmp_path / "cache"  # a cache of this run's data alone: one packed entry
+    mine = tmp_path / "cache"  # a cache of this run's data alone: one packed entry, made as a run makes it
     (mine / "wheels").mkdir(parents=True)
     shutil.copy(fetch_wheel(cache_dir), mine / "wheels")
-    subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *RUN, f"cache_dir={mine}",
-                    f"log_dir={tmp_path / 'warm'}", "num_outer_steps=1"], cwd=ROOT, capture_output=True, timeout=600)
+    load_corpus(load_config(ROOT / "config.yaml", [*RUN, f"cache_dir={mine}"]))
     other = tmp_path / "other_cache"
     shutil.copytree(mine, other)
     (entry,) = (other / "packed").glob("*.pt")
