@@ -119,6 +119,9 @@ class LocalSGDTrainer(Trainer):
             self.master[name].copy_(value)
 
 
+OUTER_HYPERPARAMETERS = ("lr", "momentum", "nesterov", "dampening", "weight_decay")  # an outer SGD's, carried over
+
+
 def outer_sgd(params: list[torch.Tensor], **hyper) -> torch.optim.SGD:
     """The outer optimizer on a trainer's fp32 masters. On CPU it asks for torch's foreach path, which torch takes by
     default only on CUDA: the same per-tensor operations in the same order (the same numbers to the last bit,
@@ -181,8 +184,7 @@ class DiLoCoTrainer(Trainer):
     def _shadow_outer_state(self, original: Trainer) -> None:
         params = [self.master[n].requires_grad_(True) for n in sorted(self.parameter_names)]
         group = original.outer_optimizer.param_groups[0]
-        self.outer_optimizer = outer_sgd(params, **{k: group[k] for k in ("lr", "momentum", "nesterov", "dampening",
-                                                                          "weight_decay")})
+        self.outer_optimizer = outer_sgd(params, **{k: group[k] for k in OUTER_HYPERPARAMETERS})
         for name, param in zip(sorted(self.parameter_names), params):
             buffer = original.outer_optimizer.state.get(original.master[name], {}).get("momentum_buffer")
             if buffer is not None:
@@ -199,10 +201,8 @@ class DiLoCoTrainer(Trainer):
         for name in self.parameter_names:
             self.master[name].requires_grad_(True)
         params = [self.master[n] for n in sorted(self.parameter_names)]
-        state = self.outer_optimizer.state_dict()
-        self.outer_optimizer = outer_sgd(params, **{k: v for k, v in state["param_groups"][0].items()
-                                                    if k in ("lr", "momentum", "nesterov", "dampening",
-                                                             "weight_decay")})
+        group = self.outer_optimizer.param_groups[0]
+        self.outer_optimizer = outer_sgd(params, **{k: group[k] for k in OUTER_HYPERPARAMETERS})
         for param, bufs in zip(params, momenta):
             if any(b is not None for b in bufs):
                 avg = sum(w * (b if b is not None else torch.zeros_like(param)) for w, b in zip(weights, bufs))

@@ -186,10 +186,10 @@ def paper_rows(rows: list[dict], results: dict[str, list[dict]]) -> list[dict]:
         if start not in results:
             out.append({"variant": name, "vs": f"{start} (not in this report)",
                         **{f"{k}_{t}": "-" for t in TARGET_SHARES for k in ("steps", "sim_time")}})
+        mine = {r["seed"]: r for r in rows if r["variant"] == name}
         for reference in (start, batch_tuned.get(name, "")):
             if reference not in results:
                 continue
-            mine = {r["seed"]: r for r in rows if r["variant"] == name}
             theirs = {r["seed"]: r for r in rows if r["variant"] == reference}
             row = {"variant": name, "vs": reference}
             for label in TARGET_SHARES:
@@ -212,15 +212,11 @@ def write_runs_csv(rows: list[dict], out: Path) -> Path:
     return path
 
 
-def sections(results: dict[str, list[dict]], metric: str, budget: float, reference: str, out: Path) -> list[str]:
-    """runs.csv, and comparison.md's sections: paired differences and the paper's comparison."""
-    higher = metric == "val_accuracy"
-    starts = {starting_batch(runs[0]) for runs in results.values() if runs[0]["family"] == "adloco"}
-    diloco_start = next((r for b in sorted(starts) for r in (f"diloco_b{b}", f"diloco_b{b}_tuned") if r in results),
-                        "")
-    targets = paper_targets(results[diloco_start], budget, higher) if diloco_start else {}
-    rows = run_rows(results, budget, targets, higher)
-    write_runs_csv(rows, out)
+def paper_section(results: dict[str, list[dict]], rows: list[dict], metric: str, diloco_start: str,
+                  targets: dict[str, float]) -> list[str]:
+    """comparison.md's section of the paper's comparison: each AdLoCo's steps and simulated time to the targets
+    that every seed of DiLoCo at the starting batch reached, over DiLoCo's (paper_rows), with the clock they were
+    priced on and the grain at which steps count."""
     run_config = yaml.safe_load((Path(next(iter(results.values()))[0]["run_dir"]) / "config.yaml").read_text())
     h = int(run_config.get("num_inner_steps", 1))
     every = min(r.get("evaluated_every", h) for runs in results.values() for r in runs)
@@ -237,6 +233,27 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
     granularity = (f"one evaluation per outer step, so steps count in whole rounds of H = {h} inner steps"
                    if every >= h else f"an evaluation every {every} inner steps (eval_every_inner_steps: {scored}, "
                    f"the trainer's after each outer step; H = {h})")
+    return ["## The paper's comparison: AdLoCo against DiLoCo at its starting batch (and with its batch tuned)",
+            "",
+            f"Targets along the run: the {metric} every seed of {diloco_start} has reached at 1/4, 1/2 and all "
+            "of the token budget (" + ", ".join(f"{k} {v:.4g}" for k, v in targets.items()) + "). Each cell: "
+            "the mean over seeds of AdLoCo's optimizer steps (or simulated seconds, on the runs' clock: "
+            f"{clock_words}) to the target over DiLoCo's, seed by seed (below 1: AdLoCo needs less); "
+            "k/n seeds: only k pairs reached it. Where the report holds DiLoCo with its batch tuned, each "
+            f"AdLoCo's second row compares it with that, to the same targets. Granularity: {granularity}.", "",
+            *table(paper_rows(rows, results), ["variant", "vs", *(f"{k}_{t}" for t in TARGET_SHARES
+                                                                  for k in ("steps", "sim_time"))]), ""]
+
+
+def sections(results: dict[str, list[dict]], metric: str, budget: float, reference: str, out: Path) -> list[str]:
+    """runs.csv, and comparison.md's sections: paired differences and the paper's comparison."""
+    higher = metric == "val_accuracy"
+    starts = {starting_batch(runs[0]) for runs in results.values() if runs[0]["family"] == "adloco"}
+    diloco_start = next((r for b in sorted(starts) for r in (f"diloco_b{b}", f"diloco_b{b}_tuned") if r in results),
+                        "")
+    targets = paper_targets(results[diloco_start], budget, higher) if diloco_start else {}
+    rows = run_rows(results, budget, targets, higher)
+    write_runs_csv(rows, out)
     lines = [f"## Per seed, paired (runs.csv: one row per variant and seed; {metric} at the token budget "
              f"{budget:.6g})", "",
              "Each variant's per-seed difference from the reference at matched tokens (`at_budget`, the value at "
@@ -282,14 +299,5 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
                   "on tuning seeds):", "",
                   *table(post_hoc, [*columns, "holm_p", "holm_established"]), ""]
     if targets:
-        lines += ["## The paper's comparison: AdLoCo against DiLoCo at its starting batch (and with its batch tuned)",
-                  "",
-                  f"Targets along the run: the {metric} every seed of {diloco_start} has reached at 1/4, 1/2 and all "
-                  "of the token budget (" + ", ".join(f"{k} {v:.4g}" for k, v in targets.items()) + "). Each cell: "
-                  "the mean over seeds of AdLoCo's optimizer steps (or simulated seconds, on the runs' clock: "
-                  f"{clock_words}) to the target over DiLoCo's, seed by seed (below 1: AdLoCo needs less); "
-                  "k/n seeds: only k pairs reached it. Where the report holds DiLoCo with its batch tuned, each "
-                  f"AdLoCo's second row compares it with that, to the same targets. Granularity: {granularity}.", "",
-                  *table(paper_rows(rows, results), ["variant", "vs", *(f"{k}_{t}" for t in TARGET_SHARES
-                                                                        for k in ("steps", "sim_time"))]), ""]
+        lines += paper_section(results, rows, metric, diloco_start, targets)
     return lines
