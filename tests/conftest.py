@@ -73,16 +73,34 @@ def small_filesystem(path: Path, size_bytes: int, copy_in: dict[str, Path] | Non
 _DESELECTED_CUDA: list = []
 
 
+# The modules whose tests start the most processes (torchrun groups, the harness's and the tuner's runs: 133 of 588
+# tests, 1203 of 1552 worker-seconds on 2026-11-29), in two groups of about equal cost, one per worker.
+LONG_GROUPS = (("test_distributed.py", "test_tune.py"),
+               ("test_compare.py", "test_resume_and_faults.py", "test_cluster_clock.py"))
+
+
+def long_tests_first(items: list) -> list:
+    """pytest -n 2 --dist worksteal hands each worker one half of the collected tests (in order) and lets an idle
+    worker take the back half of the other's queue. Ordered as [long group 1, short tests, long group 2, short
+    tests], each half starting with its long tests, the tests left at the end are short ones, so neither worker
+    waits alone on a long test (in collection order one did, for 54 s of an 815 s suite). Modules stay in their
+    order, and each module's tests in theirs."""
+    group = {name: i for i, names in enumerate(LONG_GROUPS) for name in names}
+    first, second = ([i for i in items if group.get(i.path.name) == g] for g in (0, 1))
+    short = [i for i in items if i.path.name not in group]
+    cut = max(0, len(items) // 2 - len(first))
+    return [*first, *short[:cut], *second, *short[cut:]]
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
     cuda = [item for item in items if item.get_closest_marker("cuda")]
-    if cuda:
+    if cuda and not torch.cuda.is_available():
         _DESELECTED_CUDA.extend(cuda)
         items[:] = [item for item in items if not item.get_closest_marker("cuda")]
         config.hook.pytest_deselected(items=cuda)
+    items[:] = long_tests_first(items)
 
 
 def pytest_sessionfinish(session):
