@@ -5,7 +5,6 @@ import csv
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -112,9 +111,7 @@ def test_the_same_schedule_under_torchrun_gives_the_simulations_decisions(tmp_pa
     """4 processes; node 3's rank idles in outer steps 3-4 (its process stays, it takes part in the world
     collectives only), then rejoins. Same decisions, node rows and simulated times as the simulated cluster."""
     args = [*RUN, *CLUSTER, f"cache_dir={cache_dir}", f"log_dir={tmp_path}", "cpu_threads=1"]
-    sim = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "run_name=sim"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
-    assert sim.returncode == 0, sim.stderr[-3000:]
+    train(load_config(ROOT / "config.yaml", [*args, "run_name=sim"]))  # in this process, on one thread (cpu_threads)
     proc = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "4"), *args, "run_name=dist"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
