@@ -34,8 +34,10 @@
 # keep: the finished runs of final and switch (run directories stay out of git, and a fresh checkout loses them) as
 # OUT/finished_runs.tar.gz, their small files only (benchmarks/compare/bundle.py FILES: what reusing and reading a
 # finished run needs), and the runs that stopped on a training fault (an outcome, reused as such: their config,
-# status and log); commit it at the end of a session. final and switch unpack it first, never over a file
-# already there, so a fresh checkout goes on where the last session ended instead of training those runs again.
+# status and log); commit it at the end of a session. keep unpacks the tarball first (never over a file already
+# there), so what an earlier keep holds stays in it, also in a fresh checkout that has unpacked nothing yet. final
+# and switch unpack it first too, so a fresh checkout goes on where the last session ended instead of training those
+# runs again.
 # final_all: after rest has completed (it leaves OUT/rest.done, committed), the finalists of all three parts and the
 # one report of them all (the nine of final are reused, not run again); refused before rest.done exists, since
 # --trials 8 would otherwise stop the rest studies at 8 trials of their 28.
@@ -53,6 +55,9 @@ cd "${TREE:-$ROOT}" || exit 1
 if [ "${PART:-primary}" = keep ]; then
   read -ra KEPT <<< "$(cd "$ROOT" && .venv/bin/python -c 'from benchmarks.compare.bundle import FILES; print(*FILES)')"
   cd "$OUT" || exit 1
+  # what an earlier keep holds stays in it: a fresh checkout that has unpacked nothing yet (no run directories)
+  # would otherwise replace the tarball with an empty one
+  [ -f finished_runs.tar.gz ] && { tar xzf finished_runs.tar.gz --skip-old-files || exit 1; }
   for d in runs/*/ switch/runs/*/; do
     # a finished run, or one that stopped on a training fault (its outcome: reused, not trained again)
     [ -f "$d/summary.json" ] || grep -qs '"state": "fault"' "$d/status.json" || continue
