@@ -52,12 +52,13 @@ if [ "${PART:-primary}" = all ]; then
   exit 0
 fi
 cd "${TREE:-$ROOT}" || exit 1
+# what was kept, unpacked first (never over a file already there): final and switch reuse it, and keep adds to it
+# (a fresh checkout that has unpacked nothing would otherwise replace it with an empty tarball)
+case "${PART:-primary}" in final|final_all|switch|keep) [ -f "$OUT/finished_runs.tar.gz" ] &&
+  { tar xzf "$OUT/finished_runs.tar.gz" -C "$OUT" --skip-old-files || exit 1; } ;; esac
 if [ "${PART:-primary}" = keep ]; then
   read -ra KEPT <<< "$(cd "$ROOT" && .venv/bin/python -c 'from benchmarks.compare.bundle import FILES; print(*FILES)')"
   cd "$OUT" || exit 1
-  # what an earlier keep holds stays in it: a fresh checkout that has unpacked nothing yet (no run directories)
-  # would otherwise replace the tarball with an empty one
-  [ -f finished_runs.tar.gz ] && { tar xzf finished_runs.tar.gz --skip-old-files || exit 1; }
   for d in runs/*/ switch/runs/*/; do
     # a finished run, or one that stopped on a training fault (its outcome: reused, not trained again)
     [ -f "$d/summary.json" ] || grep -qs '"state": "fault"' "$d/status.json" || continue
@@ -67,8 +68,6 @@ if [ "${PART:-primary}" = keep ]; then
   echo "$(tar tzf finished_runs.tar.gz | grep -c summary.json) finished runs and $faulted that stopped on a training" \
     "fault kept in $OUT/finished_runs.tar.gz"; exit 0
 fi
-case "${PART:-primary}" in final|final_all|switch) [ -f "$OUT/finished_runs.tar.gz" ] &&
-  tar xzf "$OUT/finished_runs.tar.gz" -C "$OUT" --skip-old-files ;; esac
 # the finalists of the primary and critical parts, in the order they run (final, and the first of final_all's)
 FINAL=adloco_paper,adloco,diloco_tuned_batch,diloco_b4,diloco_b8,diloco_b2,diloco_b16,diloco_b32,diloco_b1
 case "${PART:-primary}" in
