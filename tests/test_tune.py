@@ -100,6 +100,9 @@ def test_each_study_draws_its_own_points_and_searches_its_knobs_jointly():
     a = [point_params(i, space, cfg, design_seed("adloco")) for i in range(16)]
     b = [point_params(i, space, cfg, design_seed("adloco_never_accumulate")) for i in range(16)]
     assert {p["lr_inner"] for p in a}.isdisjoint({p["lr_inner"] for p in b})
+    # SNOO's inner lr reaches lower (its outer Nesterov step multiplies the inner step); the top is everyone's
+    assert [known[n].search[0].bounds(cfg) for n in ("snoo", "snoo_tuned_batch", "ddp_tuned_batch")] == [
+        (0.000105, 0.15), (0.000105, 0.15), (0.0003, 0.15)]
     for name in ("adloco", "adloco_never_accumulate", "adloco_paper", "diloco_tuned_batch", "snoo_tuned_batch",
                  "diloco_nesterov_b4", "ddp_tuned_batch"):
         space = known[name].search
@@ -107,7 +110,7 @@ def test_each_study_draws_its_own_points_and_searches_its_knobs_jointly():
         for knob in space:
             if knob.choices:
                 assert {p[knob.key] for p in points} == set(knob.choices), (name, knob.key)
-        low, high = LR_INNER.bounds(cfg)
+        low, high = space[0].bounds(cfg)
         for centre in (p for p in points if 2 * low <= p["lr_inner"] <= high / 2):
             near = [p for p in points if 0.5 <= p["lr_inner"] / centre["lr_inner"] <= 2]
             for knob in space[1:]:
