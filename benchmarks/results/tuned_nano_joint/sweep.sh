@@ -33,7 +33,9 @@
 # the other; WORKERS=2 alone on the 2 cores).
 # keep: the finished runs of final and switch (run directories stay out of git, and a fresh checkout loses them) as
 # OUT/finished_runs.tar.gz, their small files only (benchmarks/compare/bundle.py FILES: what reusing and reading a
-# finished run needs), and the runs that stopped on a training fault (an outcome, reused as such: their config,
+# finished run needs), the finished trial runs as well (a trial recorded before 2026-11-29 keeps what its knobs
+# decided only in its runs' summary.json, which says whether a best point at the top of ETA's range is a plateau or
+# an edge: without them trials.csv flags adloco@aeac77a97d's best an edge), and the runs that stopped on a training fault (an outcome, reused as such: their config,
 # status and log); commit it at the end of a session. keep unpacks the tarball first (never over a file already
 # there), so what an earlier keep holds stays in it, also in a fresh checkout that has unpacked nothing yet. final
 # and switch unpack it first too, so a fresh checkout goes on where the last session ended instead of training those
@@ -59,12 +61,12 @@ case "${PART:-primary}" in final|final_all|switch|keep) [ -f "$OUT/finished_runs
 if [ "${PART:-primary}" = keep ]; then
   read -ra KEPT <<< "$(cd "$ROOT" && .venv/bin/python -c 'from benchmarks.compare.bundle import FILES; print(*FILES)')"
   cd "$OUT" || exit 1
-  for d in runs/*/ switch/runs/*/; do
+  for d in runs/*/ switch/runs/*/ trials/runs/*/; do
     # a finished run, or one that stopped on a training fault (its outcome: reused, not trained again)
     [ -f "$d/summary.json" ] || grep -qs '"state": "fault"' "$d/status.json" || continue
     for f in "${KEPT[@]}"; do [ -f "$d$f" ] && echo "$d$f"; done
   done | tar czf finished_runs.tar.gz.tmp -T - && mv finished_runs.tar.gz.tmp finished_runs.tar.gz
-  faulted=$(grep -ls '"state": "fault"' runs/*/status.json switch/runs/*/status.json | wc -l)
+  faulted=$(grep -ls '"state": "fault"' runs/*/status.json switch/runs/*/status.json trials/runs/*/status.json | wc -l)
   echo "$(tar tzf finished_runs.tar.gz | grep -c summary.json) finished runs and $faulted that stopped on a training" \
     "fault kept in $OUT/finished_runs.tar.gz"; exit 0
 fi
