@@ -4,7 +4,7 @@
 # starting batch; the Nesterov outer steps: lr, outer lr, momentum; the constant-batch methods' "_tuned_batch" studies:
 # their batch too), each trial on the two tuning seeds 1000 and 1001 (its objective: the mean at the token budget), 28
 # trials per study (equal per method: the fewest at which the trials near any lr, within a factor of 2, meet 3 values of
-# each other knob over the 0.1x-50x lr range; tests/test_tune.py). PRIMARY first: the paper's AdLoCo, ours and DiLoCo
+# each other knob over the 0.1x-50x lr range, and over SNOO's 0.035x-50x; tests/test_tune.py). PRIMARY first: the paper's AdLoCo, ours and DiLoCo
 # with its batch tuned; then the per-batch studies of the critical batch (8 lr points per batch on the same 2 seeds:
 # CRITICAL) and the other baselines (REST: DiLoCo with Nesterov, DDP and SNOO, each with its batch tuned). Switch mode's
 # ablations are not tuned (SWITCH): they are ablations of a method, not methods, and at both AdLoCos' tuned points so
