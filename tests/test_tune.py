@@ -176,6 +176,21 @@ def test_a_best_point_at_the_top_of_eta_where_no_batch_grew_is_a_plateau_not_an_
     assert best_at("recorded", 8.33, gone, {"batch_increases": [0, 0]}).plateaus == {
         0: f"{words}, where batch_increases is 0 on every tuning seed (every larger ETA runs the same)"}
     assert best_at("recorded_grew", 8.33, gone, {"batch_increases": [0, 3]}) == BestPointEnds({0: words}, {})
+    # a checkout at another path: the journal's absolute run directories are not there, the same runs are under the
+    # tuner's --out (out/trials/runs/NAME, unpacked from a tarball), and they are read from there
+    elsewhere = tmp_path / "elsewhere"
+    for seed in (0, 1):
+        run = elsewhere / "trials" / "runs" / f"moved_seed{seed}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"batch_increases": 0}))
+    moved = [str(tmp_path / "old_checkout" / "trials" / "runs" / f"moved_seed{seed}") for seed in (0, 1)]
+    study = open_study("moved", storage, "minimize", PointSampler((ETA,), {}))
+    for i, (v, objective) in enumerate([(8.33, 100.0), (1.0, 200.0), (2.0, 300.0)]):
+        study.add_trial(optuna.trial.create_trial(params={"ETA": v}, distributions={"ETA": eta}, value=objective,
+                                                  user_attrs={"point": i, "run_dirs": moved if i == 0 else []}))
+    assert best_point_ends(study, {"ETA": ETA}) == BestPointEnds({0: words}, {})  # not told where: an edge
+    assert best_point_ends(study, {"ETA": ETA}, elsewhere).plateaus == {
+        0: f"{words}, where batch_increases is 0 on every tuning seed (every larger ETA runs the same)"}
     # what a finished trial records: each seed's count of what its variant's knobs decide (none for DiLoCo's)
     known = catalogue(load_config(ROOT / "config.yaml", []), [1, 2, 4], 0.3)
     assert decided_counts(known["adloco"], runs("counted", 0, 2)) == {"batch_increases": [0, 2]}

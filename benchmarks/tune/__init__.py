@@ -181,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         trial_args = sharing_cores(args, tuning.workers)
         errors: list[str] = []
         on_threads(tuning.workers, worker, studies, chosen, tuning, trial_args, out, extra, stop, errors)
-        write_trials(studies, knobs, storage, out / "trials.csv")
+        write_trials(studies, knobs, storage, out / "trials.csv", out)
         for study in studies.values():
-            for number, words in best_point_ends(study, knobs).edges.items():
+            for number, words in best_point_ends(study, knobs, out).edges.items():
                 print(f"warning: {study.study_name}: its best trial ({number}) sits on an edge ({words}); its value "
                       "and ranking are bounds: widen the range and run the study again")
         if errors or STOPPED_BY:
@@ -356,12 +356,13 @@ def knobs_of(variants: dict[str, Variant]) -> dict[str, Knob]:
 
 
 def write_trials(studies: dict[str, optuna.Study], knobs: dict[str, Knob], storage: optuna.storages.BaseStorage,
-                 path: Path) -> None:
+                 path: Path, out: Path | None = None) -> None:
     """Every study in the storage, in the storage's order (the order the studies were created), whichever call
     writes it: a call that names some variants keeps the rows of the rest, and the tuner and benchmarks.tune.status
     write the same bytes from the same storage (the table is the storage's, not the call's). The study column says
     which study (VARIANT@DIGEST of its config, benchmarks.tune.claims.StudyIdentity) each row belongs to: rows of two
-    studies of one variant were measured under different configs and are never to be ranked together."""
+    studies of one variant were measured under different configs and are never to be ranked together. `out`: the
+    tuner's --out, where the trials' runs are looked for (best_point_ends)."""
     mine = {study.study_name: (name, study) for name, study in studies.items()}
     every = [mine.get(summary.study_name) or (variant_of(summary), optuna.load_study(
                  study_name=summary.study_name, storage=storage))
@@ -372,7 +373,7 @@ def write_trials(studies: dict[str, optuna.Study], knobs: dict[str, Knob], stora
         w.writerow(["variant", "study", "trial", "point", "state", "objective", *keys, "edge", "plateau",
                     "around_best", "cpu", "note", "run_dir"])
         for name, study in every:
-            ends, around = best_point_ends(study, knobs), around_best(study)
+            ends, around = best_point_ends(study, knobs, out), around_best(study)
             for t in study.get_trials(deepcopy=False):
                 w.writerow([name, study.study_name, t.number, t.user_attrs.get("point", ""), t.state.name,
                             "" if t.value is None else t.value, *(t.params.get(k, "") for k in keys),
@@ -403,7 +404,10 @@ def finished(study: optuna.Study) -> tuple[list[optuna.trial.FrozenTrial], optun
     return done, (pick(done, key=lambda t: t.value) if done else None)
 
 
-def best_point_ends(study: optuna.Study, knobs: dict[str, Knob]) -> BestPointEnds:
+def best_point_ends(study: optuna.Study, knobs: dict[str, Knob], out: Path | None = None) -> BestPointEnds:
+    """The best trial's knobs at an end of their range (edges) or past the end where nothing changes (plateaus).
+    `out`: the tuner's --out, where a trial's runs are looked for when the journal's absolute path is not there (a
+    checkout at another path, its runs unpacked from a tarball)."""
     done, best = finished(study)
     if best is None:
         return BestPointEnds({}, {})
@@ -425,7 +429,7 @@ def best_point_ends(study: optuna.Study, knobs: dict[str, Knob]) -> BestPointEnd
         else:
             continue
         decides = knobs[key].decides if key in knobs else ""
-        if share > 0.5 and decides and never_decided(best, decides):
+        if share > 0.5 and decides and never_decided(best, decides, out):
             plateau.append(f"{words}, where {decides} is 0 on every tuning seed (every larger {key} runs the same)")
         else:
             edge.append(words)
@@ -464,17 +468,28 @@ def decided_counts(variant: Variant, run_dirs: list[Path]) -> dict[str, list]:
     return seed_counts(run_dirs, sorted({knob.decides for knob in variant.search if knob.decides}))
 
 
-def never_decided(trial: optuna.trial.FrozenTrial, count: str) -> bool:
+def never_decided(trial: optuna.trial.FrozenTrial, count: str, out: Path | None = None) -> bool:
     """Whether every tuning seed's run of the trial reports 0 for `count`: from the trial's record
-    (decided_counts), else from each run's summary.json (trials recorded before 2026-11-29); False when neither
-    says (then the end stays an edge)."""
+    (decided_counts), else from each run's summary.json (trials recorded before 2026-11-29), found where the
+    journal says or else under `out` (trial_run_dir); False when neither says (then the end stays an edge)."""
     recorded = trial.user_attrs.get("decided", {}).get(count)
     if not recorded:
         try:
-            recorded = seed_counts(trial.user_attrs.get("run_dirs", []), [count])[count]
+            recorded = seed_counts([trial_run_dir(d, out) for d in trial.user_attrs.get("run_dirs", [])],
+                                   [count])[count]
         except (OSError, ValueError):
             return False
     return bool(recorded) and all(value == 0 for value in recorded)
+
+
+def trial_run_dir(recorded: str, out: Path | None) -> Path:
+    """A trial's run directory: the journal's absolute path where it exists, else the same run in the tuner's
+    layout under `out` (out/trials/runs/NAME, as run_trials places it), so that a checkout at another path than
+    the one that ran the trial reads the runs it unpacked."""
+    path = Path(recorded)
+    if path.exists() or out is None:
+        return path
+    return out / "trials" / "runs" / path.name
 
 
 def shown_from(run_dir: str, folder: Path) -> str:

@@ -27,8 +27,8 @@ from utils.config import load_config
 from utils.errors import exit_on_input_error
 
 
-def study_line(study: optuna.Study, knobs: dict) -> str:
-    """One study's standing in one line."""
+def study_line(study: optuna.Study, knobs: dict, out: Path | None = None) -> str:
+    """One study's standing in one line (`out`: the tuner's --out, where trial runs are looked for)."""
     trials = study.get_trials(deepcopy=False)
     count = {state: sum(t.state == state for t in trials) for state in (TrialState.COMPLETE, TrialState.RUNNING,
                                                                         TrialState.FAIL)}
@@ -38,7 +38,7 @@ def study_line(study: optuna.Study, knobs: dict) -> str:
     _, best = finished(study)
     if best is None:
         return line + "; no finished trial yet"
-    ends = best_point_ends(study, knobs)
+    ends = best_point_ends(study, knobs, out)
     knob_values = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in best.params.items())
     line += f"; best {best.value:.4g} (trial {best.number}, point {best.user_attrs.get('point', '?')}: {knob_values})"
     for label, words in (("edge", ends.edges.get(best.number)), ("plateau", ends.plateaus.get(best.number)),
@@ -71,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --storage: {args.storage} holds no study")
     # what a knob decides is the same in every variant (Knob.decides); its ranges are read from each trial
     knobs = knobs_of(catalogue(load_config(ROOT / "config.yaml"), [1, 2], 1e-3))
+    # a journal lies in the tuner's --out, with the trials' runs under it
+    out = Path(args.storage).parent if "://" not in args.storage else None
     for summary in summaries:
-        print(study_line(optuna.load_study(study_name=summary.study_name, storage=storage), knobs), flush=True)
-    default = Path(args.storage).parent / "trials.csv" if "://" not in args.storage else None
+        print(study_line(optuna.load_study(study_name=summary.study_name, storage=storage), knobs, out), flush=True)
+    default = out / "trials.csv" if out is not None else None
     path = default if args.csv is None else (Path(args.csv) if args.csv else None)
     if path is not None:
-        write_trials({}, knobs, storage, path)
+        write_trials({}, knobs, storage, path, out)
         print(f"trials.csv: {path}")
     return 0
 
