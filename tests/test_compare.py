@@ -181,7 +181,8 @@ def test_harness_runs_every_variant_at_matched_budgets(tmp_path, cache_dir):
     assert "## Runs that stopped on a training fault" in report
     for heading in ("## Final models", "## To the target", "## Per seed, paired", "matched budget of 3000 tokens",
                     "rounds (outer steps)",
-                    "syncs (cross-node", "bytes communicated", "## Merges"):
+                    "syncs (cross-node", "bytes communicated", "## Merges",
+                    "## Each ablation against its method", "| adloco_no_merge | adloco |"):
         assert heading in report, heading
     for key in ("tokens", "rounds", "syncs", "bytes", "wall"):
         assert (out / f"val_perplexity_vs_{key}.png").is_file()
@@ -282,6 +283,7 @@ def repriced_from_the_bundle_alone(out, tmp_path):
     for name in ("comparison.csv", "runs.csv", "budgets.csv", "faults.csv", "merges.csv"):
         assert read_csv(same / name) == read_csv(out / name), name
     assert read_csv(same / "network.csv") == read_csv(out / "network.csv")  # the report's own measured throughput
+    assert "| adloco_no_merge | adloco |" in (same / "comparison.md").read_text()  # each ablation's method travels
     assert (same / BUNDLE).is_file()  # a view is itself re-priceable
     # another model size and network: test_a_committed_report_is_repriced_for_another_model_and_network_...
     with pytest.raises(SystemExit, match="--model_params: give the throughput of that model too"):
@@ -1035,6 +1037,53 @@ def test_the_papers_comparison_also_pairs_each_adloco_with_dilocos_tuned_batch(t
     assert rows[3]["steps_late"] == "0/2 seeds"  # the paper's never reaches 110
     text = "\n".join(seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path))
     assert "| adloco | diloco_tuned_batch | 2 | 2 | 2 | 2 | 1.5 | 1.5 |" in text
+
+
+def test_an_ablation_report_compares_each_ablation_with_its_method_per_token_and_per_step_by_hand(tmp_path):
+    """A report of ablations and their methods (switch mode's: no DiLoCo in it) declares each ablation against its
+    method as its primary comparisons, and gives tokens, steps and simulated time to the method's targets. adloco
+    reaches 300, 150, 90 (+ seed) at 1000, 2000, 4000 tokens (steps 10, 20, 30; times 1, 2, 3), so its targets are
+    the worse seed's 301, 151, 91; always_accumulate reaches 320, 140, 80 (+ seed) at steps 5, 10, 20 (times 2, 4,
+    8): 301 and 151 at 2000 tokens, step 10, time 4; 91 at 4000, step 20, time 8. never_accumulate only reaches 301,
+    at its one point (4000 tokens, step 40, time 4)."""
+    from benchmarks.compare import seeds
+
+    def ablation(name, points):
+        return [{**fake_run(tmp_path, name, s, 2, [(t, k, c, m + s) for t, k, c, m in points]), "ablates": "adloco"}
+                for s in (0, 1)]
+
+    results = {"adloco": paper_pair(tmp_path)["adloco"],
+               "adloco_always_accumulate": ablation("adloco_always_accumulate",
+                                                    [(1000, 5, 2.0, 320), (2000, 10, 4.0, 140), (4000, 20, 8.0, 80)]),
+               "adloco_never_accumulate": ablation("adloco_never_accumulate", [(4000, 40, 4.0, 200)])}
+    assert seeds.primary_pairs(results) == [("adloco_always_accumulate", "adloco"),
+                                            ("adloco_never_accumulate", "adloco")]
+    rows, targets = seeds.ablation_rows(results, 4000, higher=False)
+    assert targets == {"adloco": pytest.approx({"early": 301.0, "middle": 151.0, "late": 91.0})}
+    always, never = rows
+    assert [always[f"{k}_early"] for k in ("tokens", "steps", "sim_time")] == pytest.approx([2.0, 1.0, 4.0])
+    assert [always[f"{k}_middle"] for k in ("tokens", "steps", "sim_time")] == pytest.approx([1.0, 0.5, 2.0])
+    assert [always[f"{k}_late"] for k in ("tokens", "steps", "sim_time")] == pytest.approx([1.0, 20 / 30, 8 / 3])
+    assert (never["tokens_early"], never["steps_early"], never["sim_time_early"]) == pytest.approx((4.0, 4.0, 4.0))
+    assert never["steps_middle"] == never["tokens_late"] == "0/2 seeds"
+    text = "\n".join(seeds.sections(results, "val_perplexity", 4000, "", tmp_path))
+    primary = text.split("### Every other")[0]
+    assert "Each ablation against the method it ablates (the report holds no DiLoCo" in primary
+    # at the budget: 80 - 90 on both seeds (sd 0: p 0), 200 - 90 likewise; 2 seeds, so each is flagged
+    assert "| adloco_always_accumulate | adloco | 2 | -10 | -10 | -10 | False | 0 | only 2 seeds (< 10) |" in primary
+    assert "| adloco_never_accumulate | adloco | 2 | 110 |" in primary
+    assert "over the report's 0 other comparisons" in text
+    section = text.split("## Each ablation against its method")[1]
+    assert "adloco: early 301, middle 151, late 91" in section
+    assert "| adloco_always_accumulate | adloco | 2 | 1 | 4 | 1 | 0.5 | 2 | 1 | 0.6667 | 2.667 |" in section
+    # beside a DiLoCo pair the ablations are among the Holm-corrected comparisons, still against their method
+    (tmp_path / "with").mkdir()
+    results["diloco_b2"] = paper_pair(tmp_path / "with")["diloco_b2"]
+    assert seeds.primary_pairs(results) == [("adloco", "diloco_b2")]
+    others = "\n".join(seeds.sections(results, "val_perplexity", 4000, "diloco_b2", tmp_path)).split(
+        "### Every other")[1].split("## The paper's comparison")[0]
+    assert "Each ablation against the method it ablates:" in others
+    assert "| adloco_always_accumulate | adloco | 2 | -10 |" in others and "| adloco | diloco_b2 |" not in others
 
 
 def test_the_primary_comparisons_are_the_paper_pairs_the_report_holds(tmp_path):

@@ -104,7 +104,7 @@ def reprice(args: Options) -> int:
             run = within_budget(read_run(packed.run_dir(entry)), options.max_tokens)
             results.setdefault(entry["variant"], []).append(
                 {**run, "seed": entry["seed"], "family": entry["family"], "constant_batch": entry["constant_batch"],
-                 **options.start_of(entry["seed"])})
+                 "ablates": entry.get("ablates", ""), **options.start_of(entry["seed"])})
         report_out = made(Path(args.report_out), "--report_out")
         print(write_outputs(summarise(results, base, options), results, options, report_out, packed.faults))
         run_dirs = {e["run"]: packed.run_dir(e) for e in packed.runs}
@@ -198,7 +198,8 @@ def compare(args: Options) -> int:
             print(f"{name} seed {seed}: {faults[-1]['error']}; reported among the faults, its other seeds without it")
             continue
         results.setdefault(name, []).append({**run, "seed": seed, "family": chosen[name].family,
-                                             "constant_batch": chosen[name].constant_batch, **args.start_of(seed)})
+                                             "constant_batch": chosen[name].constant_batch,
+                                             "ablates": chosen[name].ablates, **args.start_of(seed)})
     if not results:
         raise SystemExit("error: every run stopped on a training fault (see each run's status.json); no report")
     report_out = Path(args.report_out) if args.report_out else out

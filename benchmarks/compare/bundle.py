@@ -36,9 +36,11 @@ PRICING_OPTIONS = ("network", "node_throughput", "time_target", "time_budget", "
 def write(out: Path, results: dict[str, list[dict]], faults: list[dict], options: dict, run_dirs: dict[str, Path]
           ) -> Path:
     """OUT/replay_bundle.tar.gz for the report's runs. run_dirs: every run directory by its run name (finished
-    runs and faulted ones); results: the report's runs by variant (each with its seed, family, constant batch)."""
+    runs and faulted ones); results: the report's runs by variant (each with its seed, family, constant batch and
+    the method it ablates)."""
     runs = [{"variant": name, "seed": r["seed"], "family": r["family"], "constant_batch": r["constant_batch"],
-             "run": Path(r["run_dir"]).name} for name, rs in results.items() for r in rs]
+             "ablates": r.get("ablates", ""), "run": Path(r["run_dir"]).name}
+            for name, rs in results.items() for r in rs]
     manifest = {"options": options, "runs": runs, "faults": faults}
     path = out / BUNDLE
     tmp = path.with_name(f".{BUNDLE}.tmp")
@@ -62,7 +64,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 @dataclasses.dataclass
 class Bundle:
     """A report's bundle unpacked into a temporary folder (`with Bundle.open(DIR) as b:`): its options, the runs'
-    entries (variant, seed, family, constant_batch, run) and the faults, and each run's directory."""
+    entries (variant, seed, family, constant_batch, ablates: absent from bundles before 2026-12-02, run) and the
+    faults, and each run's directory."""
 
     folder: Path
     options: dict

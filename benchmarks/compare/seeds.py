@@ -1,6 +1,7 @@
 """Per-seed results and paired statistics: runs.csv (one row per variant and seed), paired differences against a
-reference variant with 95% confidence intervals, and the paper's own comparison (steps and simulated time to three
-targets against DiLoCo at AdLoCo's starting batch).
+reference variant with 95% confidence intervals, the paper's own comparison (steps and simulated time to three
+targets against DiLoCo at AdLoCo's starting batch), and each ablation against the method it ablates (tokens, steps
+and simulated time to the method's targets).
 
 Pairing: every variant runs the same seeds, and in the embedded-corpus regimes the seed also picks the validation
 documents and the tokenizer, so seeds differ by an offset common to every variant; the per-seed difference removes
@@ -57,20 +58,26 @@ def run_rows(results: dict[str, list[dict]], budget: float, targets: dict[str, f
     for name, runs in results.items():
         for i, r in enumerate(runs):
             seed = r.get("seed", i)  # a run that stopped on a training fault leaves a gap in its variant's seeds
-            at_budget, reached = value_at(r["curve"], "tokens", budget, log_scale=not higher)
+            at_budget, in_budget = value_at(r["curve"], "tokens", budget, log_scale=not higher)
             last = r["curve"][-1]
             row = {"variant": name, "seed": seed, **({"start": r["start"]} if "start" in r else {}),
                    "final": r["final"], "at_budget": at_budget,
-                   "reached_budget": reached, "best_seen": r["best_seen"], "tokens": last["tokens"],
+                   "reached_budget": in_budget, "best_seen": r["best_seen"], "tokens": last["tokens"],
                    "steps": last["steps"], "rounds": last["rounds"], "sim_time_s": last["sim_time"]}
-            for label, target in targets.items():
-                for key in ("tokens", "steps", "sim_time"):
-                    row[f"{key}_to_{label}"] = first_reaching(r.get("fine_curve", r["curve"]), target, key, higher)
+            row.update(reached(r, targets, higher))
             row.update({"bytes_needed": last["bytes"], "weights_bytes": last["weights_bytes"],
                         "statistics_bytes": last["statistics_bytes"], "starting_batch": starting_batch(r),
                         "largest_requested_batch": max(r["requested_batches"]), "merges": len(r["merges"])})
             rows.append(row)
     return rows
+
+
+def reached(run: dict, targets: dict[str, float], higher: bool) -> dict[str, float | None]:
+    """Tokens, optimizer steps and simulated time at which a run first reaches each target (None: not within the
+    token budget), at the finest grain its evaluations give."""
+    curve = run.get("fine_curve", run["curve"])
+    return {f"{key}_to_{label}": first_reaching(curve, target, key, higher)
+            for label, target in targets.items() for key in ("tokens", "steps", "sim_time")}
 
 
 def paired_p(differences: list[float]) -> float:
@@ -137,7 +144,8 @@ def primary_pairs(results: dict[str, list[dict]]) -> list[tuple[str, str]]:
     """The report's primary comparisons, declared before any number: the paper's AdLoCo and ours, each against
     DiLoCo at its own starting batch and against DiLoCo with its batch tuned (benchmarks.tune's
     diloco_tuned_batch_tuned, else diloco_tuned_batch), tuned finalists against tuned ones where the report has
-    them. Only the pairs whose two variants are in the report."""
+    them. Only the pairs whose two variants are in the report; with none of them, each ablation against its method
+    (ablation_pairs)."""
     pairs = []
     for base in ("adloco_paper", "adloco"):
         for name in (f"{base}_tuned", base):
@@ -149,7 +157,15 @@ def primary_pairs(results: dict[str, list[dict]]) -> list[tuple[str, str]]:
                                 if r in results), "")
             pairs += [(name, ref) for ref in (start, batch_tuned) if ref in results]
             break
-    return pairs
+    return pairs or ablation_pairs(results)
+
+
+def ablation_pairs(results: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """Each ablation in the report (benchmarks.compare.variants: Variant.ablates) against the method it ablates,
+    where both are in the report. They are the primary comparisons of a report that holds no DiLoCo pair (switch
+    mode's ablations, say), and among the Holm-corrected ones of a report that does."""
+    return [(name, runs[0].get("ablates", "")) for name, runs in results.items()
+            if runs[0].get("ablates", "") in results]
 
 
 def best_constant(results: dict[str, list[dict]], rows: list[dict], higher: bool) -> str:
@@ -191,16 +207,53 @@ def paper_rows(rows: list[dict], results: dict[str, list[dict]]) -> list[dict]:
             if reference not in results:
                 continue
             theirs = {r["seed"]: r for r in rows if r["variant"] == reference}
-            row = {"variant": name, "vs": reference}
-            for label in TARGET_SHARES:
-                for key in ("steps", "sim_time"):
-                    ratios = [_ratio(mine[s][f"{key}_to_{label}"], theirs[s][f"{key}_to_{label}"]) for s in mine
-                              if s in theirs]
-                    got = [v for v in ratios if v is not None]
-                    row[f"{key}_{label}"] = (statistics.mean(got) if len(got) == len(ratios) and got
-                                             else f"{len(got)}/{len(ratios)} seeds")
-            out.append(row)
+            out.append({"variant": name, "vs": reference, **ratios(mine, theirs, ("steps", "sim_time"))})
     return out
+
+
+def ratios(mine: dict, theirs: dict, keys: tuple[str, ...]) -> dict[str, float | str]:
+    """Per target and key, the mean over the paired seeds of mine's `{key}_to_{label}` over theirs (each seed's
+    reached()); "k/n seeds" where only k of the n pairs both reached it."""
+    cells: dict[str, float | str] = {}
+    for label in TARGET_SHARES:
+        for key in keys:
+            pairs = [_ratio(mine[s][f"{key}_to_{label}"], theirs[s][f"{key}_to_{label}"]) for s in mine if s in theirs]
+            got = [v for v in pairs if v is not None]
+            cells[f"{key}_{label}"] = (statistics.mean(got) if len(got) == len(pairs) and got
+                                       else f"{len(got)}/{len(pairs)} seeds")
+    return cells
+
+
+ABLATION_KEYS = ("tokens", "steps", "sim_time")  # per token, per optimizer step, per simulated second
+
+
+def ablation_rows(results: dict[str, list[dict]], budget: float, higher: bool) -> tuple[list[dict], dict]:
+    """Each ablation against its method (ablation_pairs), to the method's own targets (paper_targets: what every
+    seed of the method has reached at 1/4, 1/2 and all of the budget): per seed paired, the ablation's tokens,
+    optimizer steps and simulated time to each target over the method's (below 1: the ablation needs less).
+    Returns the rows and each method's targets."""
+    targets = {method: paper_targets(results[method], budget, higher) for _, method in ablation_pairs(results)}
+    out = []
+    for name, method in ablation_pairs(results):
+        mine, theirs = ({r.get("seed", i): reached(r, targets[method], higher) for i, r in enumerate(results[v])}
+                        for v in (name, method))
+        out.append({"variant": name, "vs": method, **ratios(mine, theirs, ABLATION_KEYS)})
+    return out, targets
+
+
+def ablation_section(results: dict[str, list[dict]], budget: float, metric: str, higher: bool) -> list[str]:
+    """comparison.md's section of each ablation against its method, per token, per step and per simulated second."""
+    rows, targets = ablation_rows(results, budget, higher)
+    if not rows:
+        return []
+    said = "; ".join(f"{method}: " + ", ".join(f"{k} {v:.4g}" for k, v in t.items()) for method, t in targets.items())
+    return ["## Each ablation against its method: tokens, steps and simulated time to the method's targets", "",
+            f"Targets: the {metric} every seed of the method has reached at 1/4, 1/2 and all of the token budget "
+            f"({said}). Each cell: the mean over seeds of the ablation's tokens (per token), optimizer steps (per "
+            "step) or simulated seconds to the target over its method's, seed by seed (below 1: the ablation needs "
+            "less); k/n seeds: only k pairs both reached it within the budget. The value at the budget, per seed "
+            "paired, is in the comparisons above.", "",
+            *table(rows, ["variant", "vs", *(f"{k}_{t}" for t in TARGET_SHARES for k in ABLATION_KEYS)]), ""]
 
 
 def write_runs_csv(rows: list[dict], out: Path) -> Path:
@@ -269,9 +322,12 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
     columns = ["variant", "vs", "pairs", *(["starts"] if starts > 1 else []), "mean_difference", "ci95_low",
                "ci95_high", "interval_contains_0", "p_value"]
     primary = primary_pairs(results)
+    ablation_report = bool(primary) and primary == ablation_pairs(results)
     lines += ["### Primary comparisons (declared before the numbers)", "",
-              "The paper's AdLoCo and ours, each against DiLoCo at its own starting batch and against DiLoCo with its "
-              "batch tuned inside the same trial budget (`diloco_tuned_batch`), where the report holds them; "
+              ("Each ablation against the method it ablates (the report holds no DiLoCo to compare the methods with); "
+               if ablation_report else
+               "The paper's AdLoCo and ours, each against DiLoCo at its own starting batch and against DiLoCo with its "
+               "batch tuned inside the same trial budget (`diloco_tuned_batch`), where the report holds them; ") +
               f"uncorrected, and each should rest on at least {PRIMARY_SEEDS} seeds.", ""]
     primary_rows = [row for name, ref in primary for row in paired_rows(rows, ref, only={name})]
     for row in primary_rows:
@@ -287,12 +343,18 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
     secondary = others(reference) if reference and any(r["variant"] == reference for r in rows) else []
     best = best_constant(results, rows, higher)
     post_hoc = others(best) if best and best != reference else []
-    holm([*secondary, *post_hoc])  # every other comparison of the report, corrected together
+    ablated = [row for name, method in ablation_pairs(results) if (name, method) not in primary
+               for row in paired_rows(rows, method, only={name})]
+    holm([*secondary, *post_hoc, *ablated])  # every other comparison of the report, corrected together
     lines += ["### Every other comparison (Holm-corrected within the report)", "",
-              f"holm_p: Holm's adjusted p-value over the report's {len(secondary) + len(post_hoc)} other comparisons "
-              "(holm_established: below 0.05); the interval and p_value columns are uncorrected.", ""]
+              f"holm_p: Holm's adjusted p-value over the report's {len(secondary) + len(post_hoc) + len(ablated)} "
+              "other comparisons (holm_established: below 0.05); the interval and p_value columns are uncorrected.",
+              ""]
     if secondary:
         lines += [*table(secondary, [*columns, "holm_p", "holm_established"]), ""]
+    if ablated:
+        lines += ["Each ablation against the method it ablates:", "",
+                  *table(ablated, [*columns, "holm_p", "holm_established"]), ""]
     if post_hoc:
         lines += [f"Against the best constant batch at the budget ({best}), chosen after the fact on these same "
                   "evaluation seeds (best-of-N: a winner's curse favours it; the primary comparison is the batch tuned "
@@ -300,4 +362,4 @@ def sections(results: dict[str, list[dict]], metric: str, budget: float, referen
                   *table(post_hoc, [*columns, "holm_p", "holm_established"]), ""]
     if targets:
         lines += paper_section(results, rows, metric, diloco_start, targets)
-    return lines
+    return lines + ablation_section(results, budget, metric, higher)
