@@ -33,6 +33,7 @@ from benchmarks.compare.runner import (
     fault_row,
     run_on_workers,
     run_variant,
+    runs_folder,
     sharing_cores,
     shown,
     warm_starts,
@@ -167,7 +168,7 @@ def compare(args: Options) -> int:
                 raise SystemExit(f"error: variant {name}: {exc}") from None
             print(f"{name}: left out of this regime: {exc}")  # an ablation of --variants paper that cannot run here
             del chosen[name]
-    made(out / "runs", "--out")
+    made(runs_folder(out), "--out")
     starts = warm_starts(args, out)
     extra = starts[0] if starts else []
     args = dataclasses.replace(args, warm_from=", ".join(shown(Path(s[0].split("=", 1)[1]), out) for s in starts))
@@ -194,7 +195,7 @@ def compare(args: Options) -> int:
         except RunFailed as exc:
             if not exc.training_fault:
                 raise
-            faults.append(fault_row(name, seed, out / "runs" / f"{name}_seed{seed}"))
+            faults.append(fault_row(name, seed, runs_folder(out) / f"{name}_seed{seed}"))
             print(f"{name} seed {seed}: {faults[-1]['error']}; reported among the faults, its other seeds without it")
             continue
         results.setdefault(name, []).append({**run, "seed": seed, "family": chosen[name].family,
@@ -206,7 +207,7 @@ def compare(args: Options) -> int:
     made(report_out, "--report_out" if args.report_out else "--out")
     print(write_outputs(summarise(results, base, args), results, args, report_out, faults))
     run_dirs = {Path(r["run_dir"]).name: Path(r["run_dir"]) for rs in results.values() for r in rs}
-    run_dirs.update({f"{f['variant']}_seed{f['seed']}": out / "runs" / f"{f['variant']}_seed{f['seed']}"
+    run_dirs.update({f"{f['variant']}_seed{f['seed']}": runs_folder(out) / f"{f['variant']}_seed{f['seed']}"
                      for f in faults})
     packed = bundle.write(report_out, results, faults, bundled(args), run_dirs)
     print(f"replay bundle (re-price it without retraining: --reprice {report_out}): {packed}")

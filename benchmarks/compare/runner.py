@@ -98,13 +98,19 @@ def numbers_of(values: dict) -> dict:
     return out
 
 
+def runs_folder(out: Path) -> Path:
+    """Where the harness places its runs: out/runs/NAME (a run named VARIANT_seedS), each run's log beside it as
+    NAME.out. benchmarks.tune's trials are runs of the harness under out/trials."""
+    return out / "runs"
+
+
 def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: Path, extra: list[str]
                 ) -> tuple[Path, Config | None]:
     """One variant and seed, run (or its finished run reused when its config is the same): its run directory, and
     the config to re-price it on when it differs from the finished run only in what the clock reads (else None)."""
     run_name = f"{name}_seed{seed}"
-    run_dir = out / "runs" / run_name
-    run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={out / 'runs'}",
+    run_dir, log = runs_folder(out) / run_name, runs_folder(out) / f"{run_name}.out"
+    run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={runs_folder(out)}",
                 f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
                 f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
     if (run_dir / "summary.json").is_file() and not args.rerun:
@@ -144,7 +150,6 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
         # stopped earlier (a signal to the harness, or to the run): go on from its checkpoint, exactly
         print(f"{run_name}: resuming the stopped run in {run_dir} from its checkpoint (outer step "
               f"{status.get('outer_step')})")
-        log = out / "runs" / f"{run_name}.out"
         code = run_child([sys.executable, str(ROOT / "run.py"), "--resume", str(run_dir)], log, append=True)
         if code == 0:
             return run_dir, None
@@ -158,10 +163,9 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
     if run_dir.exists():
         clear_run_dir(run_dir)
     cmd = [sys.executable, str(ROOT / "run.py"), "--config", args.config, *run_args]
-    code = run_child(cmd, out / "runs" / f"{run_name}.out")
+    code = run_child(cmd, log)
     if code != 0:
-        raise RunFailed(code, f"variant {name} (seed {seed}) failed (exit {code}); see "
-                              f"{out / 'runs' / f'{run_name}.out'}")
+        raise RunFailed(code, f"variant {name} (seed {seed}) failed (exit {code}); see {log}")
     return run_dir, None
 
 
@@ -287,7 +291,7 @@ def run_on_workers(jobs: list[RunJob], args: Options, out: Path, workers: int, s
     the signal to the children: benchmarks.launch.stop_children) ends them too."""
     jobs = list(jobs)
     lock = threading.Lock()
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    runs_folder(out).mkdir(parents=True, exist_ok=True)
 
     def work() -> None:  # one thread: take the next run until none is left, a failure or a stop
         while not stop.is_set():

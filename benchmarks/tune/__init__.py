@@ -61,6 +61,7 @@ from benchmarks.compare.runner import (
     resolved,
     run_on_workers,
     run_variant,
+    runs_folder,
     sharing_cores,
     warm_start,
 )
@@ -86,6 +87,7 @@ from utils.errors import Interrupted, UserError, raise_interrupted
 from utils.signals import honoured
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TRIALS = "trials"  # the trials' runs: the harness's layout (runs_folder) under OUT/trials
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # its per-trial lines would bury the harness's own
 
 
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
               **custom(args.add_variant, known)}
     regimes = checked_regimes(args, chosen)
     knobs = knobs_of({**known, **chosen})
-    made(out / "trials" / "runs", "--out")  # only once the input is known good
+    made(runs_folder(out / TRIALS), "--out")  # only once the input is known good
     stop = threading.Event()
     forward = forwarding_to(stop)  # stop claiming, and stop the runs in flight (they checkpoint)
     allow_children()
@@ -304,7 +306,7 @@ def run_trials(studies: dict[str, optuna.Study], chosen: dict[str, Variant], tun
             try:
                 for seed in tuning.tuning_seeds:  # the study's name in the run's: no two studies share a directory
                     run_dirs.append(run_variant(f"{study.study_name}_p{point}", [*chosen[name].overrides, *(
-                        f"{k}={v}" for k, v in {**params, **TRIAL_SKIPS}.items())], seed, args, out / "trials",
+                        f"{k}={v}" for k, v in {**params, **TRIAL_SKIPS}.items())], seed, args, out / TRIALS,
                         extra)[0])
             except RunFailed as exc:
                 if not (exc.training_fault or stop.is_set()):  # the tool's error or bad input, not the method's
@@ -489,7 +491,7 @@ def trial_run_dir(recorded: str, out: Path | None) -> Path:
     path = Path(recorded)
     if path.exists() or out is None:
         return path
-    return out / "trials" / "runs" / path.name
+    return runs_folder(out / TRIALS) / path.name
 
 
 def shown_from(run_dir: str, folder: Path) -> str:
