@@ -1048,8 +1048,8 @@ def test_an_ablation_report_compares_each_ablation_with_its_method_per_token_and
     at its one point (4000 tokens, step 40, time 4)."""
     from benchmarks.compare import seeds
 
-    def ablation(name, points):
-        return [{**fake_run(tmp_path, name, s, 2, [(t, k, c, m + s) for t, k, c, m in points]), "ablates": "adloco"}
+    def ablation(name, points, ablates=("adloco",)):
+        return [{**fake_run(tmp_path, name, s, 2, [(t, k, c, m + s) for t, k, c, m in points]), "ablates": ablates}
                 for s in (0, 1)]
 
     results = {"adloco": paper_pair(tmp_path)["adloco"],
@@ -1058,6 +1058,11 @@ def test_an_ablation_report_compares_each_ablation_with_its_method_per_token_and
                "adloco_never_accumulate": ablation("adloco_never_accumulate", [(4000, 40, 4.0, 200)])}
     assert seeds.primary_pairs(results) == [("adloco_always_accumulate", "adloco"),
                                             ("adloco_never_accumulate", "adloco")]
+    # the matched control is compared with its method and with always_accumulate, whose batch it runs in one pass
+    control = {**results, "adloco_one_pass": ablation("adloco_one_pass", [(4000, 20, 4.0, 80)],
+                                                      ("adloco", "adloco_always_accumulate"))}
+    assert seeds.primary_pairs(control)[2:] == [("adloco_one_pass", "adloco"),
+                                                ("adloco_one_pass", "adloco_always_accumulate")]
     rows, targets = seeds.ablation_rows(results, 4000, higher=False)
     assert targets == {"adloco": pytest.approx({"early": 301.0, "middle": 151.0, "late": 91.0})}
     always, never = rows

@@ -105,7 +105,7 @@ def reprice(args: Options) -> int:
             run = within_budget(read_run(packed.run_dir(entry)), options.max_tokens)
             results.setdefault(entry["variant"], []).append(
                 {**run, "seed": entry["seed"], "family": entry["family"], "constant_batch": entry["constant_batch"],
-                 "ablates": entry.get("ablates", ""), **options.start_of(entry["seed"])})
+                 "ablates": tuple(entry.get("ablates", ())), **options.start_of(entry["seed"])})
         report_out = made(Path(args.report_out), "--report_out")
         print(write_outputs(summarise(results, base, options), results, options, report_out, packed.faults))
         run_dirs = {e["run"]: packed.run_dir(e) for e in packed.runs}

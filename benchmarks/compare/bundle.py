@@ -39,7 +39,7 @@ def write(out: Path, results: dict[str, list[dict]], faults: list[dict], options
     runs and faulted ones); results: the report's runs by variant (each with its seed, family, constant batch and
     the method it ablates)."""
     runs = [{"variant": name, "seed": r["seed"], "family": r["family"], "constant_batch": r["constant_batch"],
-             "ablates": r.get("ablates", ""), "run": Path(r["run_dir"]).name}
+             "ablates": list(r.get("ablates", ())), "run": Path(r["run_dir"]).name}
             for name, rs in results.items() for r in rs]
     manifest = {"options": options, "runs": runs, "faults": faults}
     path = out / BUNDLE

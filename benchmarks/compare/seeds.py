@@ -161,11 +161,12 @@ def primary_pairs(results: dict[str, list[dict]]) -> list[tuple[str, str]]:
 
 
 def ablation_pairs(results: dict[str, list[dict]]) -> list[tuple[str, str]]:
-    """Each ablation in the report (benchmarks.compare.variants: Variant.ablates) against the method it ablates,
-    where both are in the report. They are the primary comparisons of a report that holds no DiLoCo pair (switch
-    mode's ablations, say), and among the Holm-corrected ones of a report that does."""
-    return [(name, runs[0].get("ablates", "")) for name, runs in results.items()
-            if runs[0].get("ablates", "") in results]
+    """Each ablation in the report (benchmarks.compare.variants: Variant.ablates) against the method it ablates (and
+    switch mode's matched control against always_accumulate too), where both are in the report. They are the primary
+    comparisons of a report that holds no DiLoCo pair (switch mode's ablations, say), and among the Holm-corrected
+    ones of a report that does."""
+    return [(name, method) for name, runs in results.items() for method in runs[0].get("ablates", ())
+            if method in results]
 
 
 def best_constant(results: dict[str, list[dict]], rows: list[dict], higher: bool) -> str:

@@ -95,7 +95,9 @@ class Variant:
     # communication (when named), cluster (with --cluster), custom
     constant_batch: int = 0  # the constant-batch sweep (diloco_bB): its batch B
     search: tuple[Knob, ...] = (LR_INNER,)  # what benchmarks.tune tunes, and over what
-    ablates: str = ""  # an ablation: the method it is with one component changed (the report compares the two)
+    # an ablation: the variants it is with one component changed (its method; for switch mode's matched control also
+    # always_accumulate, of which it is the accumulation removed): the report compares it with each
+    ablates: tuple[str, ...] = ()
 
 
 # compressed outer sync, sketched statistics and streaming; diloco_* use the middle --diloco_batches batch (8 by
@@ -128,34 +130,35 @@ def catalogue(base: Config, diloco_batches: list[int], localsgd_lr: float) -> di
     real_batch = "switch_mode=only_gradient_accumulation"  # a constant batch B really runs B sequences per step
     chosen = [Variant("adloco", "adloco", (), search=ADAPTIVE_SPACE),
               Variant("adloco_paper", "adloco", PAPER, search=PAPER_SPACE),
-              Variant("adloco_no_adaptive", "adloco", ("sampling_method=constant",), ablates="adloco"),
+              Variant("adloco_no_adaptive", "adloco", ("sampling_method=constant",), ablates=("adloco",)),
               Variant("adloco_no_merge", "adloco", ("merge_frequency=0",), search=without_merge(ADAPTIVE_SPACE),
-                      ablates="adloco"),
+                      ablates=("adloco",)),
               # switch mode's ablations, one name per meaning (issue 58): never accumulate (a request above max_batch
               # runs max_batch in one pass) and always accumulate (every request above max_batch accumulates to it)
               Variant("adloco_never_accumulate", "adloco", ("switch_mode=only_data_loader",), search=ADAPTIVE_SPACE,
-                      ablates="adloco"),
+                      ablates=("adloco",)),
               Variant("adloco_always_accumulate", "adloco", ("switch_mode=only_gradient_accumulation",), "switch",
-                      search=ADAPTIVE_SPACE, ablates="adloco")]
+                      search=ADAPTIVE_SPACE, ablates=("adloco",))]
     # the paper's three ablations (section 6.3) of the paper's own variant. Switch mode off is what section 4.2
     # says it replaces, "gradient accumulation once the requested batch size exceeds max_batch", which is also what
     # the authors' code runs while more than one trainer is alive (OnlyGradientAccumulationStrategy)
     chosen += [Variant("adloco_paper_no_adaptive", "adloco", (*PAPER, "sampling_method=constant"), "paper",
-                       ablates="adloco_paper"),
+                       ablates=("adloco_paper",)),
                Variant("adloco_paper_no_merge", "adloco", (*PAPER, "merge_frequency=0"), "paper",
-                       search=without_merge(PAPER_SPACE), ablates="adloco_paper"),
+                       search=without_merge(PAPER_SPACE), ablates=("adloco_paper",)),
                Variant("adloco_paper_always_accumulate", "adloco", (*PAPER, "switch_mode=only_gradient_accumulation"),
-                       "paper", search=PAPER_SPACE, ablates="adloco_paper"),
+                       "paper", search=PAPER_SPACE, ablates=("adloco_paper",)),
                Variant("adloco_paper_never_accumulate", "adloco", (*PAPER, "switch_mode=only_data_loader"), "paper",
-                       search=PAPER_SPACE, ablates="adloco_paper")]
+                       search=PAPER_SPACE, ablates=("adloco_paper",))]
     # switch mode's matched control (issue 58): always_accumulate's effective batch (every request in full) in one
     # pass, on a simulated device large enough that nothing accumulates. Against always_accumulate it isolates what
     # accumulation costs (time only: the same sequences per step); against switch mode, what the larger batch does
     # (switch mode's own effective batch matched by a control is switch mode itself: it runs max_batch in one pass)
     one_pass = (f"max_batch_size={base.max_requested_batch}", "device_memory_mb=65536")
-    chosen += [Variant("adloco_one_pass", "adloco", one_pass, "switch", search=ADAPTIVE_SPACE, ablates="adloco"),
+    chosen += [Variant("adloco_one_pass", "adloco", one_pass, "switch", search=ADAPTIVE_SPACE,
+                       ablates=("adloco", "adloco_always_accumulate")),
                Variant("adloco_paper_one_pass", "adloco", (*PAPER, *one_pass), "switch", search=PAPER_SPACE,
-                       ablates="adloco_paper")]
+                       ablates=("adloco_paper", "adloco_paper_always_accumulate"))]
     diloco_at = {}
     for b in diloco_batches:
         diloco_at[b] = [*single, "sampling_method=constant", f"initial_batch_size={b}",
