@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,6 +29,7 @@ from run_dir.run_state import process_start_time
 from utils.errors import UserError
 
 FIRST_CAUSE = "first_cause"
+ENDING_S = 2.0  # how long a failed collective waits to see a killed peer's process end (it takes milliseconds)
 
 
 class CollectiveError(RuntimeError):
@@ -94,17 +96,28 @@ class Liveness:
             return False
         try:
             process = psutil.Process(int(pid))
-            return process.status() == psutil.STATUS_ZOMBIE or process_start_time(int(pid)) != started
+            return (process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+                    or process_start_time(int(pid)) != started)
         except psutil.NoSuchProcess:
             return True
 
-    def ended_first(self) -> list[int]:
-        """The rank(s) whose process ended first, as the store records it (see the module's docstring)."""
+    def ended_first(self, wait_s: float = ENDING_S) -> list[int]:
+        """The rank(s) whose process ended first, as the store records it (see the module's docstring). A killed
+        peer's sockets close while its process is still ending, so a collective can fail before the peer is seen
+        gone: look again for up to `wait_s` (the failure path only), and record nothing while nobody is gone, so
+        that a rank that looks later can still name it."""
         if self.store is None:
             return []
         try:
-            gone = " ".join(str(r) for r in range(self.world_size) if r != self.rank and self.gone(r))
-            first = self.store.compare_set("ended_first", "", gone)
+            deadline = time.monotonic() + wait_s
+            while True:
+                gone = " ".join(str(r) for r in range(self.world_size) if r != self.rank and self.gone(r))
+                if gone or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            if not gone and not self.store.check(["ended_first"]):
+                return []
+            first = self.store.compare_set("ended_first", "", gone) if gone else self.store.get("ended_first")
             return [int(r) for r in (first.decode() if isinstance(first, bytes) else first).split()]
         except (RuntimeError, ValueError):  # the store went with the process that hosted it
             return []
