@@ -104,8 +104,8 @@ class Liveness:
     def ended_first(self, wait_s: float = ENDING_S) -> list[int]:
         """The rank(s) whose process ended first, as the store records it (see the module's docstring). A killed
         peer's sockets close while its process is still ending, so a collective can fail before the peer is seen
-        gone: look again for up to `wait_s` (the failure path only), and record nothing while nobody is gone, so
-        that a rank that looks later can still name it."""
+        gone: look again for up to `wait_s` (the failure path only) before recording. A rank that was only hung
+        leaves nobody gone: the empty record then keeps later ranks from blaming the ones torchrun tears down."""
         if self.store is None:
             return []
         try:
@@ -115,9 +115,7 @@ class Liveness:
                 if gone or time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
-            if not gone and not self.store.check(["ended_first"]):
-                return []
-            first = self.store.compare_set("ended_first", "", gone) if gone else self.store.get("ended_first")
+            first = self.store.compare_set("ended_first", "", gone)
             return [int(r) for r in (first.decode() if isinstance(first, bytes) else first).split()]
         except (RuntimeError, ValueError):  # the store went with the process that hosted it
             return []
