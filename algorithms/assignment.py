@@ -35,6 +35,12 @@ def node_counts(requested: dict[int, int], total_nodes: int) -> dict[int, int]:
     return counts
 
 
+def assign(requested: dict[int, int], previous: dict[int, int | None]) -> dict[int, list[int]]:
+    """A round's assignment: trainer id -> node ids, the counts proportional to the requests (node_counts) among the
+    nodes in `previous` (the present ones: node id -> the trainer it served last, None = free; assign_nodes)."""
+    return assign_nodes(node_counts(requested, len(previous)), previous)
+
+
 def assign_nodes(counts: dict[int, int], previous: dict[int, int | None]) -> dict[int, list[int]]:
     """trainer id -> node ids. previous: node id -> trainer it served last round (None = free).
 

@@ -5,7 +5,7 @@ part, how slow each node is); the simulated clock (algorithms/clock.py) prices t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,16 @@ class ScheduleEvent:
 
     def covers(self, step: int, first: int, last: int) -> bool:
         return step >= first and (last == 0 or step < last)
+
+
+@dataclass(frozen=True)
+class RoundNodes:
+    """The schedule's answer for one outer step: who takes part, who runs how many times slower (nodes at full speed
+    left out), and what starts or ends then, in words (for the log)."""
+
+    present: list[int]
+    slowdown: dict[int, float] = field(default_factory=dict)
+    changes: list[str] = field(default_factory=list)
 
 
 class NodeSchedule:
@@ -71,6 +81,10 @@ class NodeSchedule:
             else:
                 raise ValueError(f"{where}: give leave (and return) or slowdown (and from, until)")
         return cls(events)
+
+    def round(self, step: int, total_nodes: int) -> RoundNodes:
+        """Outer step `step` as the round driver needs it, in one answer."""
+        return RoundNodes(self.present(step, total_nodes), self.slowdown(step), self.changes(step))
 
     def present(self, step: int, total_nodes: int) -> list[int]:
         """The nodes that take part in outer step `step`."""

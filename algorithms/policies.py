@@ -54,6 +54,10 @@ class MergePolicy(ABC):
     def should_merge(self, outer_step: int, frequency: int, num_trainers: int) -> bool:
         return frequency > 0 and num_trainers > 1 and outer_step % frequency == 0
 
+    def decide(self, outer_step: int, frequency: int, requested: dict[int, int]) -> MergePlan | None:
+        """The merge at this outer step (requested: each live trainer's requested batch), or None."""
+        return self.plan(requested) if self.should_merge(outer_step, frequency, len(requested)) else None
+
     @abstractmethod
     def plan(self, requested: dict[int, int]) -> MergePlan:
         """requested: trainer id -> requested batch. Ties are broken by the smaller trainer id."""

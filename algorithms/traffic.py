@@ -126,6 +126,16 @@ class Traffic:
         """What the method sends for its own decisions: the weights traffic and the batch test's statistics."""
         return self.weights_traffic_bytes + self.statistics_bytes
 
+    def round(self, moved_bytes: list[int], synced: dict[int, int], costs: dict[int, SyncCost],
+              weight_bytes: int) -> None:
+        """One outer step: the states sent to nodes before it (moved_bytes, one per move), then each trainer's
+        collectives over the nodes it synced (synced: trainer id -> nodes; costs: trainer id -> its SyncCost)."""
+        for nbytes in moved_bytes:
+            self.node_move(nbytes)
+        self.rounds += 1
+        for t, num_nodes in sorted(synced.items()):
+            self.add(costs[t], num_nodes, weight_bytes)
+
     def add(self, cost: SyncCost, num_nodes: int, weight_bytes: int) -> None:
         """One trainer's round over `num_nodes` nodes: each collective that crosses nodes counts as a sync; the
         batch test's statistics count apart (for the log only: apart again, charged to no method)."""

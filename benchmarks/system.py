@@ -241,8 +241,7 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     with tempfile.TemporaryDirectory() as tmp:
-        logger = TrainingLogger(Path(tmp) / "r", TrackerGroup([]), MemoryMonitor(Path(tmp) / "m", cfg.device_names,
-                                                                                  TrackerGroup([])))
+        logger = TrainingLogger(Path(tmp) / "r", TrackerGroup([]), MemoryMonitor(Path(tmp) / "m", cfg.device_names))
         cluster = ClusterController.build(cfg, model, data, logger, Path(tmp) / "w")
         times = {"round": 0.0, "statistics": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0, "total": 0.0}
         metric = cluster.evaluator.metric

@@ -6,12 +6,11 @@ build.py makes every part from the config (`build_cluster`, the one composition 
 cluster's state (owners, holds, counters, traffic, the rollback snapshot), round_driver.py runs an outer step and a
 merge and returns their records, and ledgers.py counts what a record says (the simulated clock, the traffic, the
 best seen). `ClusterController` takes the parts, loads a
-resume; `train` is the loop; every logger call is in `_log_round` and `train`.
+resume; `train` is the loop; every logger call is in `run_outer_step` and `train`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
@@ -22,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.build import ClusterParts, build_cluster
-from cluster.round_driver import MergeRecord, RoundRecord
+from cluster.round_driver import MergeRecord
 from fabrics.dataset_loader import CorpusData
 from node import RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
@@ -56,7 +55,7 @@ class ClusterController:
         self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
         self.memory_plan = parts.memory_plan
         self.compiled = parts.compiled  # compile: the buckets and the warm-up (cluster/build.py: warm_up_compiled)
-        self.driver.round_window = self._round_window
+        self.driver.round_window = logger.memory.round  # the memory monitor samples while the nodes work
         self._start = time.time()  # reset when training starts
         if resume is not None:
             for t, trainer in self.trainers.items():
@@ -74,16 +73,6 @@ class ClusterController:
         stop = stop or StopSignals()
         parts = build_cluster(cfg, model, data, stop.event, resume, dist_env)
         return cls(cfg, parts, data, logger, weights_dir, resume, stop, dist_env)
-
-    @contextlib.contextmanager
-    def _round_window(self, outer_step: int):
-        """While a round's node work runs: the memory monitor samples, Python's collector waits (utils/collector.py)."""
-        self.logger.memory.begin_round(outer_step)
-        try:
-            with collector.paused():
-                yield
-        finally:
-            self.logger.memory.end_round(outer_step)
 
     @property
     def tokens_total(self) -> int:
@@ -155,24 +144,8 @@ class ClusterController:
             record = self.driver.run(outer_step)
             self.ledgers.round(record)
         finally:
-            self._log_round(self.driver.record)
+            self.logger.log_round(self.driver.record)  # also what a failed step did before it failed
         return record.rows
-
-    def _log_round(self, record: RoundRecord) -> None:
-        """What a step did, to the logger (also what a failed step did before it failed)."""
-        if record.comm is not None:  # torchrun: what this rank's collectives cost since the last round
-            comm = record.comm
-            self.logger.tracker.log({"comm/seconds": comm["seconds"], "comm/weights_mb": comm["weights_bytes"] / 1e6,
-                                     "comm/statistics_mb": comm["statistics_bytes"] / 1e6,
-                                     "comm/evaluation_mb": comm["evaluation_bytes"] / 1e6}, record.outer_step)
-        if record.faults:
-            self.logger.log_faults(record.faults)
-        if record.step_losses is not None:
-            self.logger.log_step_losses(record.step_losses)
-        if record.node_times is not None:
-            self.logger.log_node_times(record.node_times)
-        if record.inner_evals:
-            self.logger.log_inner_evals(record.inner_evals)
 
     def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
         """Merge by the policy (cluster/round_driver.py), counted by the ledgers; metrics: each trainer's metric before
@@ -217,7 +190,7 @@ class ClusterController:
                     self.logger.memory.record("after_merge", outer_step)
                 wall = state.wall_before + time.time() - self._start
                 # counters at the end of the outer step, its merge included: the cluster's, the same in every row
-                counters = {**state.traffic.row(), "wall_time": wall, **self.ledgers.row()}
+                counters = {**self.ledgers.counters(), "wall_time": wall}
                 for row in rows:
                     row.update(counters)
                 # the bar shows what exists after the step: the trainers left after its merge, their best model

@@ -24,14 +24,9 @@ class Ledgers:
         """A finished outer step (cluster/round_driver.py RoundRecord): its node moves and collectives counted, its
         round on the clock (node_clock.csv's rows, each trainer row's sim_time_s, sim_compute_s, sim_idle_s), its
         evaluations seen."""
-        traffic = self.state.traffic  # the state's own (a rollback replaces it)
-        for work in record.work.values():
-            for node in work:
-                if node.receives_bytes:
-                    traffic.node_move(node.receives_bytes)
-        traffic.rounds += 1
-        for t, synced_nodes in sorted(record.synced.items()):
-            traffic.add(record.costs[t], synced_nodes, self.param_bytes)
+        # the state's own traffic counters (a rollback replaces them)
+        self.state.traffic.round([node.receives_bytes for work in record.work.values() for node in work
+                                  if node.receives_bytes], record.synced, record.costs, self.param_bytes)
         times = self.clock.round([TrainerWork(t, record.work[t], record.costs[t]) for t in sorted(record.work)],
                                  record.slowdown)
         work = {w.node_id: w for nodes in record.work.values() for w in nodes}
@@ -71,6 +66,10 @@ class Ledgers:
 
     def row(self) -> dict:
         return {"utilisation": self.clock.utilisation(), "goodput_tokens_per_s": self.clock.goodput()}
+
+    def counters(self) -> dict:
+        """What every trainer row of a step carries: the traffic counters and the clock's, after the step."""
+        return {**self.state.traffic.row(), **self.row()}
 
     def state_dict(self) -> dict:
         return {**self.clock.state_dict(), "curve": [list(p) for p in self.clock.curve.points],

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from algorithms.assignment import assign_nodes, node_counts
+from algorithms.assignment import assign
 from algorithms.clock import NodeWork
 from algorithms.comm_plan import CommPlan
 from algorithms.traffic import SyncCost
@@ -25,6 +25,7 @@ from distributed.protocol import Backend, NodeFault, RoundResult
 from fabrics.eval_tool import EvalResult, Evaluator
 from node import NodeJob, RoundAbandoned
 from trainers import Trainer
+from utils import collector
 from utils.config import Config
 from utils.errors import TrainingFault
 
@@ -103,15 +104,15 @@ class RoundDriver:
         this round (node_schedule) get no job; one that comes back joins as a new node would."""
         state, schedule = self.state, self.schedule.nodes
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
-        present = schedule.present(outer_step, len(self.nodes))
-        away = sorted(set(state.owner) - set(present))
+        round_nodes = schedule.round(outer_step, len(self.nodes))
+        away = sorted(set(state.owner) - set(round_nodes.present))
         for node_id in away:
             state.owner[node_id] = None  # its inner optimizer state is stale when it comes back
             state.continues[node_id] = None
-        for change in schedule.changes(outer_step):
+        for change in round_nodes.changes:
             log.info("outer step %d: %s", outer_step, change)
-        assignment = assign_nodes(node_counts(requested, len(present)), {n: state.owner[n] for n in present})
-        slowdown = schedule.slowdown(outer_step)
+        assignment = assign(requested, {n: state.owner[n] for n in round_nodes.present})
+        slowdown = round_nodes.slowdown
         jobs, moves = [], []
         self.record.slowdown = slowdown
         sources = state.holders(assignment)  # before this round changes holds
@@ -194,7 +195,7 @@ class RoundDriver:
         mid_round = MidRoundPlan(evaluation_steps(every, jobs), self._synced_metrics) if every else None
         start = time.perf_counter()
         try:
-            with self.round_window(outer_step):
+            with self.round_window(outer_step), collector.paused():  # no collector pause amid the node work
                 self.backend.transfer(moves, self.trainers)
                 results, faults = self.backend.run_round(jobs, self.trainers, mid_round)
         except RoundAbandoned:
@@ -287,11 +288,11 @@ class RoundDriver:
         """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
         policy, state = self.policies.merge_policy, self.state
         self.merge_record = None
-        if not policy.should_merge(outer_step, self.cfg.merge_frequency, len(self.trainers)):
-            return None
         start = time.perf_counter()
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
-        plan = policy.plan(requested)
+        plan = policy.decide(outer_step, self.cfg.merge_frequency, requested)
+        if plan is None:
+            return None
         survivor = self.trainers[plan.survivor]
         others = [self.trainers[m] for m in plan.members[1:]]
         # the absorbed states travel to the survivor's first node, which computes the average

@@ -121,8 +121,7 @@ class RunSession:
         tracker = build_tracker(cfg, self.run_dir, self.resume_step) if writes else TrackerGroup([])
         self.stop.install()  # again: ClearML's Task.init installs handlers of its own that swallow SIGTERM
         step = self.resume_step if writes else None
-        memory = MemoryMonitor(out_dir / "memory_report", cfg.device_names, tracker, cfg.memory_sample_interval_s,
-                               step)
+        memory = MemoryMonitor(out_dir / "memory_report", cfg.device_names, cfg.memory_sample_interval_s, step)
         self.logger = TrainingLogger(out_dir / "model_training_report", tracker, memory,
                                      "val_accuracy" if classification else "val_perplexity", classification, step)
         return self.logger

@@ -157,7 +157,7 @@ class _Null(Tracker):
 def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path):
     steps = StepLossLogger(tmp_path / "steps.csv")
     jsonl = JsonlTracker(tmp_path / "metrics.jsonl")
-    logger = TrainingLogger(tmp_path / "report", _Null(), MemoryMonitor(tmp_path / "mem", ["cpu"], _Null()))
+    logger = TrainingLogger(tmp_path / "report", _Null(), MemoryMonitor(tmp_path / "mem", ["cpu"]))
     threads, per_thread = 16, 200
 
     def work(t):

@@ -33,22 +33,19 @@ def test_every_key_a_run_writes_is_a_column_of_its_record(tiny_config, monkeypat
     from training_logs.training_monitoring import TrainingLogger
 
     seen: dict[str, list[dict]] = {"rows": [], "merges": [], "nodes": [], "losses": []}
-    originals = {name: getattr(TrainingLogger, name) for name in ("log_step", "log_node_times", "log_step_losses")}
+    originals = {name: getattr(TrainingLogger, name) for name in ("log_step", "log_round")}
 
     def log_step(self, rows, merge_event, trainers_alive):
         seen["rows"] += [dict(r) for r in rows]
         seen["merges"] += [merge_event] if merge_event else []
         return originals["log_step"](self, rows, merge_event, trainers_alive)
 
-    def log_node_times(self, rows):
-        seen["nodes"] += rows
-        return originals["log_node_times"](self, rows)
+    def log_round(self, record):
+        seen["nodes"] += record.node_times or []
+        seen["losses"] += record.step_losses or []
+        return originals["log_round"](self, record)
 
-    def log_step_losses(self, rows):
-        seen["losses"] += rows
-        return originals["log_step_losses"](self, rows)
-
-    for name, fn in (("log_step", log_step), ("log_node_times", log_node_times), ("log_step_losses", log_step_losses)):
+    for name, fn in (("log_step", log_step), ("log_round", log_round)):
         monkeypatch.setattr(TrainingLogger, name, fn)
     run_dir, _ = train(tiny_config("run_name=records", "inject_fault=2:1:nan", "on_node_fault=skip"))
     assert seen["rows"] and seen["merges"] and seen["nodes"] and seen["losses"]

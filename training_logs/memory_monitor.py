@@ -2,19 +2,21 @@
 device allocated / reserved / peak. The round's peak RSS is sampled by a background thread.
 
 Stages: before_round, round_peak, after_outer_step, after_merge. Rows go to memory_log.csv, a plot to
-memory_usage.png, and the numbers to the trackers as memory/<quantity> with the stage as the series.
+memory_usage.png, and the numbers to the trackers as memory_<stage>/<quantity>: the monitor keeps them in `pending`
+and the training logger sends them with the step's own scalars (training_logs/training_monitoring.py), so a step
+reaches the trackers in one place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import torch
-
-from training_logs.trackers import Tracker
 
 MiB = float(1 << 20)
 STAGES = ("before_round", "round_peak", "after_outer_step", "after_merge")
@@ -29,10 +31,11 @@ def device_peak_mib(run_dir: Path) -> float:
 
 
 class MemoryMonitor:
-    def __init__(self, out_dir: Path, devices: list[str], tracker: Tracker, interval_s: float = 0.05,
+    def __init__(self, out_dir: Path, devices: list[str], interval_s: float = 0.05,
                  resume_step: int | None = None) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir, self.tracker, self.interval_s = out_dir, tracker, interval_s
+        self.out_dir, self.interval_s = out_dir, interval_s
+        self.pending: dict[int, dict[str, float]] = {}  # outer step -> its readings' scalars, not yet sent
         self.cuda_devices = sorted({d for d in devices if d.startswith("cuda")}) if torch.cuda.is_available() else []
         self.process = psutil.Process()
         self.csv_path = out_dir / "memory_log.csv"
@@ -72,8 +75,18 @@ class MemoryMonitor:
         with self.csv_path.open("a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.columns).writerow(
                 {k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in row.items()})
-        self.tracker.log({f"memory_{stage}/{k}": v for k, v in row.items() if k.endswith("_mib")}, outer_step)
+        self.pending.setdefault(outer_step, {}).update(
+            {f"memory_{stage}/{k}": v for k, v in row.items() if k.endswith("_mib")})
         return row
+
+    @contextlib.contextmanager
+    def round(self, outer_step: int) -> Iterator[None]:
+        """While a round's node work runs: the reading before it, the peak sampled during it, the peak after it."""
+        self.begin_round(outer_step)
+        try:
+            yield
+        finally:
+            self.end_round(outer_step)
 
     def begin_round(self, outer_step: int) -> None:
         for d in self.cuda_devices:

@@ -91,24 +91,42 @@ class TrainingLogger:
         self.capped_requests = int(state.get("capped_requests", 0))  # checkpoints of older versions lack them
         self.largest_capped_request = int(state.get("largest_capped_request", 0))
 
-    def log_faults(self, rows: list[dict]) -> None:
+    def log_round(self, record) -> None:
+        """What a round did (cluster/round_driver.py RoundRecord; also what a failed step did before it failed):
+        fault_events.csv, step_loss_log.csv, node_clock.csv (the clock's view of each node's round), inner_eval.csv,
+        and their scalars in one call (node_<id>/compute_s, idle_s; under torchrun, comm/*: what this rank's
+        collectives cost since the last round)."""
+        scalars = {}
+        if record.comm is not None:
+            comm = record.comm
+            scalars.update({"comm/seconds": comm["seconds"], "comm/weights_mb": comm["weights_bytes"] / 1e6,
+                            "comm/statistics_mb": comm["statistics_bytes"] / 1e6,
+                            "comm/evaluation_mb": comm["evaluation_bytes"] / 1e6})
         with self._lock:
-            self._append(self.fault_path, FAULT_COLUMNS, rows)
-            self.faults += len(rows)
-        self.tracker.log({"global/node_faults": float(self.faults)}, rows[0]["outer_step"])
+            if record.faults:
+                self._append(self.fault_path, FAULT_COLUMNS, record.faults)
+                self.faults += len(record.faults)
+                scalars["global/node_faults"] = float(self.faults)
+            if record.node_times:
+                self._append(self.node_path, NODE_COLUMNS, record.node_times)
+                scalars.update({f"node_{r['node_id']}/{k}": float(r[k])
+                                for r in record.node_times for k in ("compute_s", "idle_s")})
+            if record.inner_evals:
+                self._append(self.inner_eval_path, INNER_EVAL_COLUMNS, record.inner_evals)
+        if record.step_losses is not None:
+            self.step_losses.log(record.step_losses)
+        self._send(scalars, record.outer_step)
 
-    def log_node_times(self, rows: list[dict]) -> None:
-        """The clock's view of each node's round: node_clock.csv and node_<id>/compute_s, idle_s."""
-        with self._lock:
-            self._append(self.node_path, NODE_COLUMNS, rows)
-        if rows:
-            self.tracker.log({f"node_{r['node_id']}/{k}": float(r[k]) for r in rows for k in ("compute_s", "idle_s")},
-                             rows[0]["outer_step"])
-
-    def log_inner_evals(self, rows: list[dict]) -> None:
-        """Mid-round evaluations (eval_every_inner_steps): inner_eval.csv."""
-        with self._lock:
-            self._append(self.inner_eval_path, INNER_EVAL_COLUMNS, rows)
+    def _send(self, scalars: dict[str, float], step: int) -> None:
+        """The step's scalars to the trackers in one call, the memory monitor's readings of the step with them."""
+        pending, self.memory.pending = self.memory.pending, {}
+        for at, readings in sorted(pending.items()):
+            if at == step:
+                scalars = {**readings, **scalars}
+            else:  # a reading of another step (none in a run's loop): on its own
+                self.tracker.log(readings, at)
+        if scalars:
+            self.tracker.log(scalars, step)
 
     def _append(self, path: Path, columns: list[str], rows: list[dict]) -> None:
         with path.open("a", newline="") as f:
@@ -126,9 +144,6 @@ class TrainingLogger:
         scalars.update({f"global/{k}": v for k, v in metrics.items()})
         scalars["global/trainers_alive"] = float(len(trainer_ids))
         self.tracker.log(scalars, 0)
-
-    def log_step_losses(self, rows: list[dict]) -> None:
-        self.step_losses.log(rows)
 
     def log_step(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> float:
         """Record an outer step; returns the metric of the best model alive after it (its merge done)."""
@@ -171,7 +186,7 @@ class TrainingLogger:
             **{f"clock/{k}": float(rows[-1][k]) for k in ("utilisation", "goodput_tokens_per_s") if k in rows[-1]},
             "clock/sim_time_s": max(float(r.get("sim_time_s", 0.0)) for r in rows),
         })
-        self.tracker.log(scalars, step)
+        self._send(scalars, step)
         return scalars[f"global/{self.metric}"]
 
     def plot(self, step: int) -> list[Path]:
@@ -194,5 +209,6 @@ class TrainingLogger:
         self.tracker.log_artifact("summary", summary)
 
     def close(self) -> None:
+        self._send({}, -1)  # readings of a step that failed before it was logged
         self.step_losses.close()
         self.tracker.close()
