@@ -274,6 +274,10 @@ class Clock:
         """Tokens per simulated second so far."""
         return self.tokens / self.now if self.now > 0 else 0.0
 
+    def counters(self) -> dict[str, float]:
+        """The clock's counters as training_log.csv and summary.json carry them."""
+        return {"utilisation": self.utilisation(), "goodput_tokens_per_s": self.goodput()}
+
     def idle(self) -> float:
         """Node-seconds present and not computing, up to now."""
         return self.available() - sum(self.busy)

@@ -64,12 +64,9 @@ class Ledgers:
         if (value >= target) if self.higher_is_better else (value <= target):
             self.time_to_target = when
 
-    def row(self) -> dict:
-        return {"utilisation": self.clock.utilisation(), "goodput_tokens_per_s": self.clock.goodput()}
-
     def counters(self) -> dict:
         """What every trainer row of a step carries: the traffic counters and the clock's, after the step."""
-        return {**self.state.traffic.row(), **self.row()}
+        return {**self.state.traffic.row(), **self.clock.counters()}
 
     def state_dict(self) -> dict:
         return {**self.clock.state_dict(), "curve": [list(p) for p in self.clock.curve.points],
@@ -82,7 +79,7 @@ class Ledgers:
 
     def summary(self) -> dict:
         return {"sim_time_s": self.clock.now, "sim_time_to_target_s": self.time_to_target,
-                "target_metric": self.target_metric or None, **self.row(),
+                "target_metric": self.target_metric or None, **self.clock.counters(),
                 "busy_node_seconds": sum(self.clock.busy), "idle_node_seconds": self.clock.idle(),
                 "clock": {"network": describe(self.clock.network), "throughput": self.clock.curve.source,
                           "node_speeds": self.node_speeds}}

@@ -84,6 +84,8 @@ class RoundDriver:
         self.evaluator, self.policies, self.plan, self.sizes = evaluator, policies, plan, plan.sizes
         self.merge_sync, self.streaming = plan.merge_sync, plan.streams
         self.grad_chunks = plan.grad_chunks
+        # what a trainer's round sends and costs, without and with its nodes' statistics: the plan's, every round
+        self.sync_costs = {sent: plan.sync_cost(sent) for sent in (False, True)}
         self.tokens_per_sequence = state.nodes[0].data.tokens_per_sequence  # every node reads the same corpus
         self.injected = cfg.injected_faults()
         self.round_window: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
@@ -218,8 +220,7 @@ class RoundDriver:
         record.seconds["outer"] = time.perf_counter() - start
         trainer_ids = sorted({j.trainer_id for j in jobs})
         # what each trainer's collectives sent and cost, once: the clock and the traffic counters read the same
-        record.costs = {t: self.plan.sync_cost(t in results and results[t].statistics is not None)
-                        for t in trainer_ids}
+        record.costs = {t: self.sync_costs[t in results and results[t].statistics is not None] for t in trainer_ids}
         record.synced = {t: len(res.nodes) for t, res in results.items()}
         if self.streaming:  # the good nodes' own weights go on next round, if their trainer stays the same
             for f in faults:

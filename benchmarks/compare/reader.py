@@ -211,8 +211,7 @@ def repriced(run_dir: Path, summary: dict, curve: list[dict], cfg: Config) -> di
     clock, times = replay.replay(rounds, parse_network(cfg.network), throughput, weight_bytes, cfg.node_speeds)
     for point in curve:
         point["sim_time"] = times.get(point["step"], point["sim_time"])
-    return {**summary, "sim_time_s": clock.now, "utilisation": clock.utilisation(),
-            "goodput_tokens_per_s": clock.goodput(), "busy_node_seconds": sum(clock.busy),
+    return {**summary, "sim_time_s": clock.now, **clock.counters(), "busy_node_seconds": sum(clock.busy),
             "idle_node_seconds": clock.idle(), "sim_time_to_target_s": None, "target_metric": cfg.target_metric or None,
             "repriced": True, "clock": {"network": describe(clock.network), "throughput": throughput.source,
                                         "node_speeds": cfg.node_speeds}}
