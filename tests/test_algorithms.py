@@ -6,7 +6,7 @@ import operator
 import pytest
 import torch
 
-from algorithms.assignment import assign_nodes, node_counts
+from algorithms.assignment import assign, assign_nodes, node_counts
 from algorithms.calc_batch import (
     REFERENCE_WIRE,
     STATISTICS_WIRE,
@@ -355,6 +355,15 @@ def test_should_merge_frequency():
     assert not p.should_merge(3, 3, 1) and not p.should_merge(3, 0, 4)
 
 
+def test_the_merge_at_a_step_is_one_answer():
+    p = WorstWithWorst()
+    # step 3 of every 3: requests 8, 2, 4 -> the two smallest (T1: 2, T2: 4) merge, the larger request survives,
+    # weighted by the requests 4 : 2
+    plan = p.decide(3, 3, {0: 8, 1: 2, 2: 4})
+    assert (plan.survivor, plan.members) == (2, (2, 1)) and plan.weights == pytest.approx((4 / 6, 2 / 6))
+    assert p.decide(2, 3, {0: 8, 1: 2}) is None and p.decide(3, 3, {0: 8}) is None  # not a merge step; one trainer
+
+
 # --- node assignment --------------------------------------------------------------------------
 def test_node_counts_proportional_with_minimum_one():
     assert node_counts({0: 2, 1: 2, 2: 2, 3: 2}, 4) == {0: 1, 1: 1, 2: 1, 3: 1}
@@ -378,6 +387,12 @@ def test_node_counts_are_proportional_not_one_each_plus_spare_share():
 def test_node_counts_rejects_too_many_trainers():
     with pytest.raises(ValueError):
         node_counts({0: 1, 1: 1, 2: 1}, 2)
+
+
+def test_a_rounds_assignment_is_counts_then_nodes_among_the_present():
+    # node 2 is away: 3 present nodes shared 4:2 -> 2 and 1; trainer 0 keeps node 0, takes free node 3; trainer 1
+    # keeps node 1
+    assert assign({0: 4, 1: 2}, {0: 0, 1: 1, 3: None}) == {0: [0, 3], 1: [1]}
 
 
 def test_assign_nodes_keeps_nodes_with_their_trainer():
@@ -409,6 +424,16 @@ def test_traffic_counts_only_cross_node_syncs():
     assert traffic.row() == {"rounds": 0, "syncs": 4, "allreduce_bytes": 4000, "merge_bytes": 2000,
                              "node_move_bytes": 1000, "node_moves": 1, "statistics_bytes": 200,
                              "logged_statistics_bytes": 40, "weights_traffic_bytes": 7000, "total_traffic_bytes": 7200}
+
+
+def test_a_round_is_counted_in_one_call():
+    traffic = Traffic()
+    # two states sent to nodes first (1000 bytes each); trainer 0 syncs 3 nodes (a ring of P = 1000: 2 (n-1) P),
+    # trainer 1 one node (nothing crosses), its 100 bytes of statistics reduced by nobody
+    traffic.round([1000, 1000], {1: 1, 0: 3}, {0: SyncCost(), 1: SyncCost(statistics_bytes=100)}, 1000)
+    assert traffic.row() == {"rounds": 1, "syncs": 1, "allreduce_bytes": 4000, "merge_bytes": 0,
+                             "node_move_bytes": 2000, "node_moves": 2, "statistics_bytes": 0,
+                             "logged_statistics_bytes": 0, "weights_traffic_bytes": 6000, "total_traffic_bytes": 6000}
 
 
 def test_a_compressed_sync_counts_an_all_gather_of_the_payload():

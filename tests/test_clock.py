@@ -7,7 +7,7 @@ import pytest
 
 from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.network import Network, parse_network
-from algorithms.node_schedule import NodeSchedule
+from algorithms.node_schedule import NodeSchedule, RoundNodes
 from algorithms.traffic import SyncCost
 from benchmarks.replay import RoundWork, TrainerRound, read_rounds, replay, timeline
 
@@ -85,6 +85,7 @@ def test_two_trainers_four_nodes_by_hand_merges_wait_for_the_slower_member():
     assert clock.now == pytest.approx(end3 + 3.2 + 1.56)
     assert clock.utilisation() == pytest.approx(17.3 / (4 * clock.now - (end3 - 9.2)))
     assert clock.goodput() == pytest.approx((6000 + 4000 + 3000 + 4000) / clock.now)
+    assert clock.counters() == {"utilisation": clock.utilisation(), "goodput_tokens_per_s": clock.goodput()}
     assert clock.idle() == pytest.approx(clock.available() - 17.3)
 
 
@@ -160,6 +161,9 @@ def test_node_schedule_parses_presence_and_slowdowns():
     assert schedule.present(8, 4) == [0, 1, 2, 3]
     assert schedule.slowdown(1) == {} and schedule.slowdown(2) == {1: 4.0} and schedule.slowdown(6) == {}
     assert schedule.changes(4) == ["node 3 leaves until outer step 8"] and schedule.changes(8) == ["node 3 returns"]
+    # the round driver's question, one answer per outer step
+    assert schedule.round(4, 4) == RoundNodes([0, 1, 2], {1: 4.0}, ["node 3 leaves until outer step 8"])
+    assert schedule.round(6, 4) == RoundNodes([0, 1, 2], {}, ["node 1 is back to full speed"])
     for bad, match in [([{"node": 9, "leave": 2}], "node 9 does not exist"),
                        ([{"node": 1, "slowdown": 0}], "slowdown must be a positive"),
                        ([{"node": 1, "leave": 4, "return": 3}], "later one"),

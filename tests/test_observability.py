@@ -154,6 +154,48 @@ class _Null(Tracker):
         pass
 
 
+class _Calls(Tracker):
+    def __init__(self):
+        self.calls = []
+
+    def log(self, metrics, step):
+        self.calls.append((step, dict(metrics)))
+
+
+def test_a_step_reaches_the_trackers_in_one_call_per_logger_call_with_its_memory_readings(tmp_path):
+    from cluster.round_driver import RoundRecord
+
+    tracker = _Calls()
+    memory = MemoryMonitor(tmp_path / "mem", ["cpu"])
+    logger = TrainingLogger(tmp_path / "report", tracker, memory)
+    memory.record("before_round", 1)
+    memory.record("round_peak", 1)
+    node = {"outer_step": 1, "node_id": 0, "trainer_id": 0, "compute_s": 2.0, "idle_s": 0.5}
+    fault = {"outer_step": 1, "trainer_id": 0, "node_id": 1, "kind": "nan", "action": "skip", "message": "x"}
+    loss = {"outer_step": 1, "trainer_id": 0, "node_id": 0, "inner_step": 0, "loss": "6.1", "micro_batch": 2,
+            "accumulation_steps": 1, "learning_rate": 0.003}
+    logger.log_round(RoundRecord(1, faults=[fault], step_losses=[loss], node_times=[node]))
+    [(step, scalars)] = tracker.calls  # the round's files' scalars and the readings taken during it, together
+    assert step == 1 and scalars["node_0/compute_s"] == 2.0 and scalars["node_0/idle_s"] == 0.5
+    assert scalars["global/node_faults"] == 1.0
+    assert {k.split("/")[0] for k in scalars if k.startswith("memory")} == {"memory_before_round", "memory_round_peak"}
+    memory.record("after_outer_step", 1)
+    logger.log_step([{"outer_step": 1, "trainer_id": 0, "requested_batch": 2, "next_requested_batch": 4,
+                      "accumulation_steps": 1, "train_loss": 6.0, "val_perplexity": 400.0, "global_tokens": 64}],
+                    None, 1)
+    assert len(tracker.calls) == 2 and tracker.calls[1][0] == 1
+    assert tracker.calls[1][1]["global/val_perplexity"] == 400.0
+    assert "memory_after_outer_step/process_rss_mib" in tracker.calls[1][1] and not memory.pending
+    memory.record("before_round", 2)  # a step that failed before anything of it was logged: sent at the close
+    logger.close()
+    assert tracker.calls[2][0] == 2 and set(tracker.calls[2][1]) == {
+        f"memory_before_round/{k}" for k in ("process_rss_mib", "system_used_mib", "system_available_mib")}
+    with (tmp_path / "report" / "node_clock.csv").open() as f:
+        assert [r["compute_s"] for r in csv.DictReader(f)] == ["2"]
+    with (tmp_path / "report" / "step_loss_log.csv").open() as f:
+        assert [r["loss"] for r in csv.DictReader(f)] == ["6.1"]
+
+
 def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path):
     steps = StepLossLogger(tmp_path / "steps.csv")
     jsonl = JsonlTracker(tmp_path / "metrics.jsonl")
