@@ -78,8 +78,7 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     sketch and the clock's curve come from it, so the memory probe does not run again)."""
     algo = TRAINERS[cfg.distributed_algo]
     make_optimizer = algo.inner_optimizer_factory(cfg)
-    policies = Policies(run_plan.batch_test_of(cfg), build_switch_mode(cfg.switch_mode),
-                        build_merge_policy(cfg.merging_policy))
+    policies = Policies(run_plan.batch_test_of(cfg), build_merge_policy(cfg.merging_policy))
     precision = build_precision(cfg.precision)
     grad_chunks = run_plan.grad_chunks(cfg, policies.batch_test)  # for the batch test or the log; else none
     resume_state = resume.resume_state() if resume is not None else None
@@ -112,7 +111,8 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
     log.info("clock: network %s; throughput %s; node speeds %s", describe(clock.network), clock.curve.source,
              " ".join(f"{v:g}" for v in cfg.node_speeds))
     ledgers = Ledgers(clock, state, cfg, evaluator.higher_is_better, plan.sizes.param_bytes)
-    schedule = RoundSchedule(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)), cfg)
+    schedule = RoundSchedule(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)),
+                             build_switch_mode(cfg.switch_mode), cfg)
     driver = RoundDriver(cfg, state, backend, schedule, evaluator, policies, plan)
     memory = None
     if dist_env is None:  # what each device holds at the nodes' max batch (run.py checked it at batch 1)

@@ -1,7 +1,7 @@
-"""The round driver: one outer step for every trainer (jobs, the round on the backend, faults, outer steps,
-evaluation, batch tests) and the merges. It decides and counts nothing: it returns records of what happened
-(RoundRecord, MergeRecord), which the controller hands to the ledgers (cluster/ledgers.py: the clock, the traffic,
-the best seen) and to the logger, each in one place."""
+"""The round driver: one outer step for every trainer (its jobs from the round's plan, cluster/round_schedule.py;
+the round on the backend, faults, outer steps, evaluation, batch tests) and the merges. It decides and counts
+nothing: it returns records of what happened (RoundRecord, MergeRecord), which the controller hands to the ledgers
+(cluster/ledgers.py: the clock, the traffic, the best seen) and to the logger, each in one place."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from algorithms.assignment import assign
 from algorithms.clock import NodeWork
 from algorithms.comm_plan import CommPlan
 from algorithms.traffic import SyncCost
@@ -71,9 +70,9 @@ class MergeRecord:
 
 @dataclasses.dataclass
 class Policies:
-    """The paper's decisions, picked by config strings from the registries in algorithms/."""
+    """The paper's decisions after a round, picked by config strings from the registries in algorithms/ (switch mode,
+    decided before a round, is the round schedule's)."""
     batch_test: Callable
-    switch_mode: object
     merge_policy: object
 
 
@@ -102,39 +101,35 @@ class RoundDriver:
 
     # -------------------------------------------------------------------------------------------
     def jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
-        """This round's node jobs, and the moves (trainer, from node, to node) that must come first. Nodes away
-        this round (node_schedule) get no job; one that comes back joins as a new node would."""
-        state, schedule = self.state, self.schedule.nodes
-        requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
-        round_nodes = schedule.round(outer_step, len(self.nodes))
-        away = sorted(set(state.owner) - set(round_nodes.present))
+        """This round's node jobs, by the round's plan (cluster/round_schedule.py), and the moves (trainer, from node,
+        to node) that must come first. Nodes away this round get no job; one that comes back joins as a new node
+        would."""
+        state = self.state
+        plan = self.schedule.plan(outer_step, {t: tr.requested_batch for t, tr in self.trainers.items()}, state.owner,
+                                  [n.max_batch for n in self.nodes])
+        away = sorted(set(state.owner) - set(plan.present))
         for node_id in away:
             state.owner[node_id] = None  # its inner optimizer state is stale when it comes back
             state.continues[node_id] = None
-        for change in round_nodes.changes:
+        for change in plan.changes:
             log.info("outer step %d: %s", outer_step, change)
-        assignment = assign(requested, {n: state.owner[n] for n in round_nodes.present})
-        slowdown = round_nodes.slowdown
         jobs, moves = [], []
-        self.record.slowdown = slowdown
-        sources = state.holders(assignment)  # before this round changes holds
+        self.record.slowdown = plan.slowdown
+        sources = state.holders(plan.assignment)  # before this round changes holds
         for node_id in away:  # it may hand its state on now; its copy goes stale as its trainer trains on
             state.holds[node_id] = STALE
-        for t in sorted(assignment):
+        for t in sorted(plan.assignment):
             trainer = self.trainers[t]
             version = (t, trainer.weights_version)
-            shapes = {n: self.policies.switch_mode.decide(trainer.requested_batch, self.nodes[n].max_batch)
-                      for n in assignment[t]}
-            inner_steps = self.schedule.inner_steps(assignment[t], shapes, slowdown)
             # DDP / SNOO: the nodes step one AdamW in lockstep; when one of them starts afresh, they all do
-            restart = trainer.syncs_gradients and any(state.owner[n] != t for n in assignment[t])
-            for node_id in assignment[t]:
+            restart = trainer.syncs_gradients and any(state.owner[n] != t for n in plan.assignment[t])
+            for node_id in plan.assignment[t]:
                 moved = state.holds[node_id] not in (None, version)
                 if moved:  # the node receives this trainer's state
                     moves.append((t, sources[t], node_id))
                 state.holds[node_id] = version
-                loader_batch, accumulation = shapes[node_id]
-                steps = inner_steps[node_id]
+                loader_batch, accumulation = plan.shapes[node_id]
+                steps = plan.inner_steps[node_id]
                 indices = trainer.sampler.take(steps * accumulation * loader_batch).view(steps, accumulation,
                                                                                          loader_batch)
                 jobs.append(NodeJob(node_id, t, trainer.master, indices, self.grad_chunks,
@@ -146,7 +141,7 @@ class RoundDriver:
                 self.record.work.setdefault(t, []).append(
                     NodeWork(node_id, tokens, loader_batch, accumulation, trainer.transfer_bytes() if moved else 0))
                 self.record.inner_steps[node_id] = steps
-        for t, node_ids in assignment.items():
+        for t, node_ids in plan.assignment.items():
             for node_id in node_ids:
                 state.owner[node_id] = t
         return jobs, moves

@@ -126,8 +126,8 @@ def combine(results: list[NodeResult], plan: CommPlan, device: str = "cpu",
             mean = {name: v.detach().to(device, torch.float32, copy=True) for name, v in group[0].state.items()}
         else:  # the plain round's mean (distributed/plain.py), every node here
             owners = (members or {}).get(trainer_id, len(group))
-            mean = node_mean(sync, masters[trainer_id], {r.node_id: r.state for r in group},
-                             {r.node_id: r.payload for r in group}, [r.node_id for r in group], shares, owners,
+            mean = node_mean(masters[trainer_id], {r.node_id: r.state for r in group},
+                             {r.node_id: r.payload for r in group}, [r.node_id for r in group], shares,
                              LocalWeights(sync, owners), device)
         combined[trainer_id] = RoundResult(
             node_mean=mean, nodes=[r.node_id for r in group],

@@ -145,10 +145,10 @@ class TorchrunBackend:
         elif own:  # the plain round's mean (distributed/plain.py), this rank's node and its group's collectives
             # each node's share of the tokens is known to all from the facts; node-id order, as the simulation sums
             shares = token_shares([f["tokens"] for f in own]) if self.by_tokens else None
-            node_mean = plain.node_mean(self.sync, job.master, {self.rank: outcome.state if good else None},
+            node_mean = plain.node_mean(job.master, {self.rank: outcome.state if good else None},
                                         {self.rank: outcome.payload if good else None},
-                                        [f["node_id"] for f in own], shares, len(members[mine]),
-                                        _GroupWeights(self, members[mine]), self.comm_device)
+                                        [f["node_id"] for f in own], shares, _GroupWeights(self, members[mine]),
+                                        self.comm_device)
         statistics_seconds = time.perf_counter()
         if own and any(f["has_samples"] for f in own):
             statistics = self._statistics(outcome if good else None, members[mine])
@@ -346,6 +346,7 @@ class _GroupWeights:
 
     def __init__(self, backend: TorchrunBackend, members: tuple[int, ...]) -> None:
         self.backend, self.members = backend, members
+        self.sync, self.group_size = backend.sync, len(members)
 
     def sum(self, total: torch.Tensor) -> torch.Tensor:
         return self.backend.net.all_reduce(total, self.members, "weights") if len(self.members) > 1 else total

@@ -173,6 +173,34 @@ def test_node_schedule_parses_presence_and_slowdowns():
             NodeSchedule.parse(bad, total_nodes=4)
 
 
+def test_a_rounds_plan_is_decided_in_one_answer_before_it():
+    """RoundSchedule.plan by hand: 4 nodes, node 3 away at step 4, node 1 four times slower; trainer 0 asks 12, trainer
+    1 asks 4. Three nodes present: quotas 2.25 and 0.75, trainer 1 held at one node, trainer 0 takes two; each keeps
+    the nodes it had. Switch mode: 12 over max_batch 4 (above 2 x 4) accumulates 3 passes of 4, 4 over 8 runs in one.
+    DyLU: at 4 x 3 the curve gives 2500 tokens/s, node 1 a quarter of it: 10 x 625 / 2500 = 2.5 -> 2 inner steps."""
+    from types import SimpleNamespace
+
+    from algorithms.switch_mode import ThresholdSwitchMode
+    from cluster.round_schedule import RoundSchedule
+
+    events = NodeSchedule.parse([{"node": 3, "leave": 4, "return": 8}, {"node": 1, "slowdown": 4, "from": 2,
+                                                                         "until": 6}], total_nodes=4)
+    clock = Clock(SLOW, CURVE, [1.0] * 4, MB)
+    owners, max_batch = {0: 0, 1: 0, 2: 1, 3: 1}, [4, 4, 8, 4]
+    for by_speed, steps in ((False, {0: 10, 1: 10, 2: 10}), (True, {0: 10, 1: 2, 2: 10})):
+        schedule = RoundSchedule(clock, events, ThresholdSwitchMode(),
+                                 SimpleNamespace(num_inner_steps=10, inner_steps_by_speed=by_speed))
+        plan = schedule.plan(4, {0: 12, 1: 4}, owners, max_batch)
+        assert plan.present == [0, 1, 2] and plan.slowdown == {1: 4.0}
+        assert plan.changes == ["node 3 leaves until outer step 8"]
+        assert plan.assignment == {0: [0, 1], 1: [2]}
+        assert plan.shapes == {0: (4, 3), 1: (4, 3), 2: (4, 1)}
+        assert plan.inner_steps == steps
+    # every node back, none slower: trainer 0's 12 of 16 gives it three nodes, and node 3 (trainer 1's) moves to it
+    plan = schedule.plan(8, {0: 12, 1: 4}, owners, max_batch)
+    assert plan.assignment == {0: [0, 1, 3], 1: [2]} and plan.inner_steps == {0: 10, 1: 10, 2: 10, 3: 10}
+
+
 def test_curve_files_are_checked(tmp_path):
     path = tmp_path / "curve.json"
     path.write_text(json.dumps(CURVE.to_dict(device="cpu")))

@@ -254,21 +254,21 @@ def test_the_plain_rounds_mean_is_one_function_whatever_crosses_processes():
     states = {0: {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([4.0])},
               1: {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([8.0])}}
     exact = OuterSync("none")
-    here = node_mean(exact, master, states, {}, [0, 1], None, 2, LocalWeights(exact, 2), "cpu")
+    here = node_mean(master, states, {}, [0, 1], None, LocalWeights(exact, 2), "cpu")
     assert here["w"].tolist() == [2.0, 4.0] and here["b"].tolist() == [6.0]
-    shared = node_mean(exact, master, states, {}, [0, 1], [0.25, 0.75], 2, LocalWeights(exact, 2), "cpu")
+    shared = node_mean(master, states, {}, [0, 1], [0.25, 0.75], LocalWeights(exact, 2), "cpu")
     assert shared["w"].tolist() == [2.5, 5.0] and shared["b"].tolist() == [7.0]  # token shares: no division
 
     class OtherProcess(LocalWeights):  # node 1 lives elsewhere: its weights arrive in the sum (sorted names: b, w)
         def sum(self, total):
             return total + torch.tensor([8.0, 3.0, 6.0])
 
-    apart = node_mean(exact, master, {0: states[0]}, {}, [0, 1], None, 2, OtherProcess(exact, 2), "cpu")
+    apart = node_mean(master, {0: states[0]}, {}, [0, 1], None, OtherProcess(exact, 2), "cpu")
     assert all(torch.equal(apart[k], here[k]) for k in master)
-    failed_here = node_mean(exact, master, {0: None}, {}, [1], None, 2, OtherProcess(exact, 2), "cpu")
+    failed_here = node_mean(master, {0: None}, {}, [1], None, OtherProcess(exact, 2), "cpu")
     assert failed_here["w"].tolist() == [3.0, 6.0]  # a failed node adds nothing; the mean is over the good one
     # compressed: the good nodes' payloads, decoded, master minus their mean (int8, every payload here)
     int8 = OuterSync("int8", error_feedback=False)
     payloads = {n: int8.encode(master, states[n], None)[0] for n in states}
-    ring = node_mean(int8, master, {}, payloads, [0, 1], None, 2, LocalWeights(int8, 2), "cpu")
+    ring = node_mean(master, {}, payloads, [0, 1], None, LocalWeights(int8, 2), "cpu")
     assert torch.allclose(ring["w"], here["w"], atol=0.05) and torch.allclose(ring["b"], here["b"], atol=0.05)
