@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from run_dir.run_config import load_run_config
+from run_dir.reader import RunFiles
 from utils.checkpoint import MANIFEST, expected_checkpoint_bytes
 from utils.errors import UserError, exit_code_of
 
@@ -37,12 +37,13 @@ def preset_parameters(name: str, vocab_size: int | None = None) -> int:
 
 
 def measure(run_dir: Path) -> list[dict]:
-    if not (run_dir / "summary.json").is_file():
+    run = RunFiles(run_dir)
+    if not run.finished:
         raise UserError(f"{run_dir}: no summary.json (not a finished run directory)")
-    cfg = load_run_config(run_dir / "config.yaml")
-    params = json.loads((run_dir / "summary.json").read_text())["weight_bytes"] // 4
+    cfg = run.config()
+    params = run.summary()["weight_bytes"] // 4
     rows = []
-    for ckpt in sorted((run_dir / "model_weights").glob(f"*/{MANIFEST}")):
+    for ckpt in sorted(run.weights.glob(f"*/{MANIFEST}")):
         manifest = json.loads(ckpt.read_text())
         on_disk = sum(f["bytes"] for f in manifest["files"].values())
         final = ckpt.parent.name == "final"

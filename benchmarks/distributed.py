@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from benchmarks.launch import run_child
-from training_logs.records import TrainerRow, read_records
+from run_dir.reader import RunFiles
+from training_logs.records import TrainerRow
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["devices=[cpu]", "nodes_per_gpu=2", "num_init_trainers=2", "merge_frequency=2", "num_inner_steps=10",
@@ -36,7 +37,7 @@ def run(cmd: list[str], out: Path) -> float:
 
 
 def rows_of(run_dir: Path) -> list[TrainerRow]:
-    return read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow)
+    return RunFiles(run_dir).records(TrainerRow)
 
 
 def per_round(run_dir: Path) -> list[float]:
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     sim, dist = out / "runs" / "simulated", out / "runs" / "torchrun"
     same = decisions(sim) == decisions(dist)
-    comm = [json.loads(line) for line in (dist / "metrics.jsonl").read_text().splitlines()]
+    comm = RunFiles(dist).metrics()
     comm = [r["metrics"] for r in comm if "comm/seconds" in r["metrics"]]
     result = {
         "config": config, "same_decisions": same, "process_wall_s": total,
@@ -73,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "comm_s_per_round": [c["comm/seconds"] for c in comm],
         "comm_weights_mb_per_round": [c["comm/weights_mb"] for c in comm],
         "comm_statistics_mb_per_round": [c["comm/statistics_mb"] for c in comm],
-        "summary": {k: json.loads((d / "summary.json").read_text())
-                    for k, d in (("simulated", sim), ("torchrun", dist))},
+        "summary": {k: RunFiles(d).summary() for k, d in (("simulated", sim), ("torchrun", dist))},
     }
     sim_round, dist_round = (statistics.median(result["round_s"][k]) for k in ("simulated", "torchrun"))
     # rounds where rank 0's trainer had two nodes (before the first merge, each trainer has one)

@@ -56,8 +56,9 @@ from pathlib import Path
 
 from benchmarks.launch import run_child
 from benchmarks.tables import cell
+from run_dir.reader import RunFiles
 from training_logs.memory_monitor import device_peak_mib
-from training_logs.records import TrainerRow, read_records
+from training_logs.records import TrainerRow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,14 +175,14 @@ def machine_facts() -> dict:
 
 
 def summary_of(run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunFiles(run_dir).summary()
     return {k: summary[k] for k in ("final_metric", "merges", "batch_increases", "accumulation_used", "wall_time_s",
                                     "tokens_seen")}
 
 
 def rows_of(run_dir: Path) -> list[TrainerRow]:
     """training_log.csv's rows, as the run's reader types them (training_logs/records.py)."""
-    return read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow)
+    return RunFiles(run_dir).records(TrainerRow)
 
 
 DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_batch", "accumulation_steps",
@@ -215,7 +216,7 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
                 step.detail["accumulation_used"]
             step.ok = every_mechanism
             reference = runs / "run_fp32"
-            if step.name != "run_fp32" and (reference / "summary.json").is_file():
+            if step.name != "run_fp32" and RunFiles(reference).finished:
                 rel = 0.05 if precision == "bf16" else 1e-3
                 step.detail["against_run_fp32"] = compare_runs(reference, runs / step.name, rel)
                 step.ok = step.ok and step.detail["against_run_fp32"]["within"]
@@ -237,7 +238,7 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
             code, text = run(f"torchrun_gloo{tag}", [*launch, "dist_backend=gloo", f"run_name=torchrun_gloo{tag}"],
                              step.max_s / 3)
         step.detail["backend"] = backend
-        if code == 0 and (runs / f"simulated{tag}" / "summary.json").is_file():
+        if code == 0 and RunFiles(runs / f"simulated{tag}").finished:
             step.detail["against_simulated"] = compare_runs(runs / f"simulated{tag}", runs / f"torchrun_{backend}{tag}",
                                                             1e-3)
             step.ok = step.detail["against_simulated"]["same_decisions"] and step.detail["against_simulated"]["within"]
@@ -260,7 +261,7 @@ def run_step(step: Step, run, out: Path, python: str) -> None:
                                      f"log_dir={runs}", "run_name=paper"], step.max_s)
         step.ok = code == 0
         if step.ok:
-            summary = json.loads((runs / "paper" / "summary.json").read_text())
+            summary = RunFiles(runs / "paper").summary()
             step.detail = {**summary_of(runs / "paper"),
                            "tokens_per_s": summary["tokens_seen"] / summary["wall_time_s"]}
     elif step.name == "stacked":
@@ -326,7 +327,7 @@ def memory_checks(run, runs: Path, python: str, limit: float) -> tuple[dict, str
             # have 128 GiB, 124 free): the plan's refusal is its answer, recorded, not a failed check
             detail[name] = {"refused": line} if line.startswith("error: memory plan:") else line
             continue
-        summary = json.loads((runs / name / "summary.json").read_text())
+        summary = RunFiles(runs / name).summary()
         planned = summary["memory_plan"]["devices"][0]["planned_bytes"] / 2**20
         peak = device_peak_mib(runs / name)
         detail[name] = {"planned_mib": planned, "peak_mib": peak, "accuracy": 1 - abs(peak - planned) / planned,

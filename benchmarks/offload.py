@@ -13,7 +13,6 @@ moves the state off the card (benchmarks.gpu_check measures that).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.launch import child
+from run_dir.reader import RunFiles
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {  # name -> run.py overrides
@@ -46,7 +46,7 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
             time.sleep(0.02)
     if proc.returncode:
         raise SystemExit(f"error: {name}: run.py exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-    summary = json.loads((out / run_name / "summary.json").read_text())
+    summary = RunFiles(out / run_name).summary()
     plan = summary["memory_plan"]
     planned = sum(d["planned_bytes"] for d in plan["devices"]) + plan["host_bytes"]
     return {"setting": name, "peak_rss_mb": peak / 2**20, "planned_mb": planned / 2**20,

@@ -30,7 +30,6 @@ number of tokens, node moves re-simulated (`_rounds_before_the_record`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +39,8 @@ from algorithms.comm_plan import WireSizes
 from algorithms.network import INSTANT, Network
 from algorithms.traffic import SyncCost
 from run_dir.past import infer_weight_bytes, value_of
-from run_dir.run_config import load_run_config
-from training_logs.records import MergeEvent, NodeTime, TrainerRow, read_records
+from run_dir.reader import RunFiles
+from training_logs.records import MergeEvent, NodeTime, TrainerRow
 from utils import run_plan
 from utils.config import Config
 
@@ -151,12 +150,10 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
     trajectory stay the run's. The bytes returned are then model_bytes and the run's traffic scaled alike.
 
     Runs written before summary.json carried `weight_bytes` get P from their all-reduce traffic."""
-    report = run_dir / "model_training_report"
-    rows = read_records(report / "training_log.csv", TrainerRow)
-    merges = read_records(report / "merge_events.csv", MergeEvent)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run = RunFiles(run_dir)
+    rows, merges, summary = run.records(TrainerRow), run.records(MergeEvent), run.summary()
     # the run's config in today's meaning (run_dir's migrations), read by the one derivation of its plan
-    cfg = load_run_config(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
+    cfg = run.config() if run.config_path.is_file() else None
     by_step: dict[int, list[TrainerRow]] = {}
     for r in rows:
         by_step.setdefault(r.outer_step, []).append(r)
@@ -175,8 +172,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
         SyncCost(0, sizes.fragment_bytes, step_bytes=sizes.gradient_bytes)
     if sync.ring and summary.get("compressed_sync") != "ring":  # runs made before the ring all-gathered theirs
         sync = dataclasses.replace(sync, ring=False)
-    nodes_file = report / "node_clock.csv"
-    recorded = read_records(nodes_file, NodeTime) if nodes_file.is_file() else []
+    recorded = run.records_if_any(NodeTime)
     if recorded and recorded[0].received_bytes is not None:
         rounds = _recorded_rounds(recorded, merges_at, sync, scale)
     else:

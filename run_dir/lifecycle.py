@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from run_dir.reader import CONFIG, METRICS, REPORT, SUMMARY
 from utils.config import Config
 from utils.errors import ConfigError, RunStopped, TrainingFault, UserError
 from utils.openmp import openmp_waits
@@ -87,12 +88,12 @@ class RunSession:
             logging.getLogger().setLevel(logging.WARNING)
             share_errors(run_dir / cfg.log_file, self.env.rank)
         if self.writes:
-            write_atomic(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            write_atomic(run_dir / CONFIG, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             write_status(run_dir, "running", exit_code=None, signal=None, outer_step=self.resume_step,
                          checkpoint=str(checkpoint.path) if checkpoint is not None else None,
                          resumable=checkpoint is not None, error=None, message=None)
             if checkpoint is not None:
-                cut_jsonl(run_dir / "metrics.jsonl", self.resume_step)
+                cut_jsonl(run_dir / METRICS, self.resume_step)
         if checkpoint is not None:
             for problem in checkpoint.skipped if self.writes else []:  # damaged newer ones: said, not passed over
                 log.warning("resume: skipped a damaged newer checkpoint: %s", problem)
@@ -122,7 +123,7 @@ class RunSession:
         self.stop.install()  # again: ClearML's Task.init installs handlers of its own that swallow SIGTERM
         step = self.resume_step if writes else None
         memory = MemoryMonitor(out_dir / "memory_report", cfg.device_names, cfg.memory_sample_interval_s, step)
-        self.logger = TrainingLogger(out_dir / "model_training_report", tracker, memory,
+        self.logger = TrainingLogger(out_dir / REPORT, tracker, memory,
                                      "val_accuracy" if classification else "val_perplexity", classification, step)
         return self.logger
 
@@ -138,7 +139,7 @@ class RunSession:
                                   "idle_threads": openmp_waits()}
         self.logger.finish(summary)
         if self.writes:  # while the lock is held: nothing of this run is written after another may take the directory
-            write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+            write_atomic(run_dir / SUMMARY, json.dumps(summary, indent=2))
             final = run_dir / "model_weights" / "final"
             extendable = final_resumable(final)
             write_status(run_dir, "completed", exit_code=0, outer_step=summary["outer_steps"], checkpoint=str(final),
@@ -204,7 +205,7 @@ def build_tracker(cfg: Config, run_dir: Path, resume_step: int | None = None):
     """metrics.jsonl always; ClearML unless clearml_mode: off; TensorBoard when asked."""
     from training_logs.trackers import JsonlTracker, TensorBoardTracker, TrackerGroup
 
-    trackers = [JsonlTracker(run_dir / "metrics.jsonl")]
+    trackers = [JsonlTracker(run_dir / METRICS)]
     if cfg.clearml_mode != "off":
         from training_logs.clearml_tracker import ClearMLTracker
 

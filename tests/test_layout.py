@@ -130,6 +130,33 @@ def test_the_benchmarks_start_children_through_one_launcher():
     assert started == {"benchmarks/launch.py": ["cmd"], "benchmarks/gpu_check.py": ['["nvidia-smi']}, started
 
 
+RUN_FILES = ("summary.json", "status.json", "config.yaml", "metrics.jsonl", "model_training_report", "model_weights",
+             "training_log.csv", "merge_events.csv", "node_clock.csv", "inner_eval.csv", "step_loss_log.csv",
+             "fault_events.csv")
+
+
+def test_the_benchmarks_read_run_directories_through_one_reader():
+    """run_dir/reader.py (`RunFiles`) names a run's files and reads them; in benchmarks/ no path is built to one of
+    them (`x / "summary.json"`, "model_training_report/...") and no run file is read by hand (read_records,
+    read_status, load_run_config, json of a summary). The repository's own config.yaml (ROOT / "config.yaml") is not a
+    run's."""
+    names = "|".join(re.escape(f) for f in RUN_FILES)
+    made = re.compile(rf"""/ ["']({names})["']|["'](model_training_report)/""")
+    by_hand = re.compile(r"\b(read_records|read_status|load_run_config)\(")
+    found = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if made.search(line.replace('ROOT / "config.yaml"', "")) or by_hand.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == [], found
+    from benchmarks.compare.bundle import FILES
+    from run_dir.reader import READ_BACK, RunFiles
+    from training_logs.records import CSV_FILES, NodeTime, TrainerRow
+
+    assert FILES == READ_BACK and CSV_FILES[TrainerRow] == "training_log.csv"
+    assert RunFiles(Path("r")).csv(NodeTime) == Path("r/model_training_report/node_clock.csv")
+
+
 def walk_of(tmp_path: Path, a_source: str):
     """benchmarks.walk's counter over a.f, with a.py's source given and b.py's g a one-liner."""
     import importlib.util

@@ -1,8 +1,10 @@
-"""The rows of a run's CSV files as dataclasses: a record's fields are its file's columns, in order.
+"""The rows of a run's CSV files as dataclasses: a record's fields are its file's columns, in order, and
+`CSV_FILES` names each record's file.
 
-The logger writes them (training_monitoring.py, step_loss_logger.py); the harness (benchmarks/compare/reader.py),
-the network model (benchmarks/replay.py) and the plots (plots.py) read them back with `read_records`, as typed
-records (an empty cell is None). A new column is one field here, and the value its producer puts in the row.
+The logger writes them (training_monitoring.py, step_loss_logger.py); they are read back with `read_records`, as
+typed records (an empty cell is None): by the plots (plots.py) and, for a run directory, through run_dir/reader.py
+(`RunFiles`: the harness, the replay, the tuner and the probes). A new column is one field here, and the value its
+producer puts in the row.
 """
 
 from __future__ import annotations
@@ -149,6 +151,12 @@ class StepLoss:
 
 
 Record = TypeVar("Record")
+
+# each record's file in the run directory's model_training_report/: the logger writes it there, run_dir/reader.py
+# reads it back
+CSV_FILES: dict[type, str] = {TrainerRow: "training_log.csv", MergeEvent: "merge_events.csv",
+                              InnerEval: "inner_eval.csv", NodeTime: "node_clock.csv",
+                              FaultEvent: "fault_events.csv", StepLoss: "step_loss_log.csv"}
 
 
 def columns(record: type) -> list[str]:

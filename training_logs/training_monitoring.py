@@ -19,7 +19,7 @@ from algorithms.traffic import Traffic
 from training_logs.alive import models_alive
 from training_logs.csv_files import start_csv
 from training_logs.memory_monitor import MemoryMonitor
-from training_logs.records import FaultEvent, InnerEval, MergeEvent, NodeTime, TrainerRow, columns
+from training_logs.records import CSV_FILES, FaultEvent, InnerEval, MergeEvent, NodeTime, StepLoss, TrainerRow, columns
 from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
@@ -51,11 +51,11 @@ class TrainingLogger:
         report_dir.mkdir(parents=True, exist_ok=True)
         self.report_dir, self.tracker, self.memory = report_dir, tracker, memory
         self.metric, self.higher_is_better = metric, higher_is_better
-        self.csv_path = report_dir / "training_log.csv"
-        self.merge_path = report_dir / "merge_events.csv"
-        self.fault_path = report_dir / "fault_events.csv"
-        self.node_path = report_dir / "node_clock.csv"
-        self.inner_eval_path = report_dir / "inner_eval.csv"
+        self.csv_path = report_dir / CSV_FILES[TrainerRow]
+        self.merge_path = report_dir / CSV_FILES[MergeEvent]
+        self.fault_path = report_dir / CSV_FILES[FaultEvent]
+        self.node_path = report_dir / CSV_FILES[NodeTime]
+        self.inner_eval_path = report_dir / CSV_FILES[InnerEval]
         self._lock = threading.Lock()
         for path, header in ((self.csv_path, COLUMNS), (self.merge_path, MERGE_COLUMNS)):
             problem = start_csv(path, header, resume_step)
@@ -71,7 +71,7 @@ class TrainingLogger:
         start_csv(self.fault_path, FAULT_COLUMNS, resume_step, lambda row: row[FAULT_COLUMNS.index("action")] == "stop")
         start_csv(self.node_path, NODE_COLUMNS, resume_step)
         start_csv(self.inner_eval_path, INNER_EVAL_COLUMNS, resume_step)
-        self.step_losses = StepLossLogger(report_dir / "step_loss_log.csv", resume_step)
+        self.step_losses = StepLossLogger(report_dir / CSV_FILES[StepLoss], resume_step)
         self.merges = 0
         self.batch_increases = 0
         self.accumulation_used = False

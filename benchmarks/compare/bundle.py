@@ -24,10 +24,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from run_dir.reader import READ_BACK
+
 BUNDLE = "replay_bundle.tar.gz"
-FILES = ("config.yaml", "summary.json", "status.json", "model_training_report/training_log.csv",
-         "model_training_report/merge_events.csv", "model_training_report/inner_eval.csv",
-         "model_training_report/node_clock.csv")
+FILES = READ_BACK
 # what --reprice takes from its own command line; every other option is the bundled report's
 PRICING_OPTIONS = ("network", "node_throughput", "time_target", "time_budget", "crossover_latency", "throughput_curve",
                    "no_statistics", "model_params", "report_out")

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import math
 from pathlib import Path
 
 import yaml
 
-from run_dir.run_config import load_run_config
+from run_dir.reader import RunFiles, report_file
 from training_logs.alive import models_alive
-from training_logs.records import InnerEval, MergeEvent, TrainerRow, read_records
+from training_logs.records import InnerEval, MergeEvent, TrainerRow
 from utils import run_plan
 from utils.config import Config
 
@@ -23,28 +22,29 @@ def damage(run_dir: Path) -> str | None:
     missing, truncated (a row shorter than its header) or holds a cell that is not a number."""
     from utils.errors import UserError
 
+    run = RunFiles(run_dir)
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = run.summary()
     except (OSError, UnicodeDecodeError, ValueError):
         return "summary.json is not readable JSON"
     if not isinstance(summary, dict) or not {"metric", "final_metric"} <= summary.keys():
         return "summary.json lacks its metric or final_metric"
     try:
-        load_run_config(run_dir / "config.yaml")
+        run.config()
     except (UserError, OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
         return f"config.yaml is not a valid config ({str(exc).splitlines()[0][:120]})"
-    log = run_dir / "model_training_report" / "training_log.csv"
+    log, name = run.csv(TrainerRow), report_file(TrainerRow)
     try:
         with log.open(newline="") as f:
             lines = list(csv.reader(f))
     except (OSError, UnicodeDecodeError, csv.Error):
-        return "model_training_report/training_log.csv is missing or unreadable"
+        return f"{name} is missing or unreadable"
     if len(lines) < 2 or any(len(line) != len(lines[0]) for line in lines[1:]):
-        return "model_training_report/training_log.csv is truncated (no rows, or a row shorter than its header)"
+        return f"{name} is truncated (no rows, or a row shorter than its header)"
     try:
-        read_records(log, TrainerRow)
+        run.records(TrainerRow)
     except (ValueError, TypeError):
-        return "model_training_report/training_log.csv holds a cell that is not a number"
+        return f"{name} holds a cell that is not a number"
     return None
 
 
@@ -53,14 +53,12 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     the real final metric, the best metric seen, merge diagnostics and what batches it really ran.
     reprice_on: a config that differs from the run's only in what the clock reads: its sim_time and clock figures
     are those of that config's clock (repriced)."""
-    report = run_dir / "model_training_report"
-    rows = read_records(report / "training_log.csv", TrainerRow)
-    merges = read_records(report / "merge_events.csv", MergeEvent)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run = RunFiles(run_dir)
+    rows, merges, summary = run.records(TrainerRow), run.records(MergeEvent), run.summary()
     metric = summary["metric"]
     pick = max if metric == "val_accuracy" else min
     merge_at = {m.outer_step: m for m in merges}
-    cfg = load_run_config(run_dir / "config.yaml")  # through run_dir's migration, as the run itself reads it
+    cfg = run.config()  # through run_dir's migration, as the run itself reads it
     decides = run_plan.batch_test_of(cfg).uses_statistics  # whether its batch test decides with the statistics
     inner_steps = cfg.num_inner_steps
     by_step: dict[int, list[TrainerRow]] = {}
@@ -90,8 +88,7 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     trained = [r for r in rows if r.outer_step != 0]
     if reprice_on is not None:
         summary = repriced(run_dir, summary, curve, reprice_on)
-    inner = report / "inner_eval.csv"
-    evaluations = read_records(inner, InnerEval) if inner.is_file() else []
+    evaluations = run.records_if_any(InnerEval)
     return {"run_dir": run_dir, "curve": curve, "fine_curve": fine_curve(curve, evaluations, metric, inner_steps),
             "evaluated_every": min((e.inner_step for e in evaluations), default=inner_steps),
             # runs before the synced rule (no `nodes` column) scored the trainer's first node's own weights

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -13,9 +12,9 @@ from pathlib import Path
 from benchmarks.compare.options import ROOT, Options
 from benchmarks.compare.reader import damage
 from benchmarks.launch import STOPPED_BY, run_child
-from run_dir.run_config import load_run_config
-from run_dir.run_state import in_use, read_status
-from training_logs.records import TrainerRow, read_records
+from run_dir.reader import RunFiles
+from run_dir.run_state import in_use
+from training_logs.records import TrainerRow
 from utils.config import WHERE_KEYS, Config, load_config
 from utils.errors import TrainingFault
 
@@ -35,7 +34,7 @@ def resolved(config_path: str | Path, overrides: list[str]) -> dict:
 def config_changes(run_dir: Path, wanted: dict) -> list[str]:
     """How a finished run's config differs from the one asked for ('key: was -> now'); [] = the same."""
     try:
-        had = resolved(run_dir / "config.yaml", [])
+        had = resolved(RunFiles(run_dir).config_path, [])
     except Exception:  # unreadable, or keys of another version: not reusable
         return ["config.yaml: unreadable"]
     return [f"{k}: {had.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(had) | set(wanted))
@@ -52,7 +51,7 @@ def stops_where_asked(run_dir: Path, changes: list[str], wanted: Config) -> bool
     that reached max_tokens, or num_outer_steps."""
     if any(not change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes):
         return False
-    if load_run_config(run_dir / "config.yaml").meaning() != wanted.meaning():
+    if RunFiles(run_dir).config().meaning() != wanted.meaning():
         return False
     return stopped_at_budget(run_dir, wanted)
 
@@ -60,7 +59,7 @@ def stops_where_asked(run_dir: Path, changes: list[str], wanted: Config) -> bool
 def stopped_at_budget(run_dir: Path, wanted: Config) -> bool:
     """The finished run's last outer step is where `wanted`'s budget stops: the first step that reached its
     max_tokens, or its num_outer_steps."""
-    rows = read_records(run_dir / "model_training_report" / "training_log.csv", TrainerRow) or []
+    rows = RunFiles(run_dir).records(TrainerRow) or []
     tokens = {r.outer_step: r.global_tokens or 0 for r in rows}
     last = max(tokens, default=0)
     for step in range(1, last + 1):
@@ -113,7 +112,7 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
     run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={runs_folder(out)}",
                 f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
                 f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
-    if (run_dir / "summary.json").is_file() and not args.rerun:
+    if RunFiles(run_dir).finished and not args.rerun:
         problem = damage(run_dir)
         if problem:  # a damaged finished run: said, never overwritten by a harness that cannot read it
             raise SystemExit(f"error: {run_dir}: a finished run whose {problem}; nothing was changed: move it away "
@@ -126,9 +125,9 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
             print(f"{run_name}: reusing {run_dir}: it ran the same, and stopped where this budget stops it")
             return run_dir, None
         # only what the clock reads differs, and perhaps when it stops (the budget run, now under a cluster file)
-        had_config, wanted_config = load_run_config(run_dir / "config.yaml"), load_config(args.config, run_args)
+        had_config, wanted_config = RunFiles(run_dir).config(), load_config(args.config, run_args)
         stop_changed = any(change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes)
-        if without(numbers_of(resolved(run_dir / "config.yaml", [])), STOP_KEYS) == without(
+        if without(numbers_of(resolved(RunFiles(run_dir).config_path, [])), STOP_KEYS) == without(
                 numbers_of(wanted), STOP_KEYS) and had_config.meaning().get("rampup_tokens") == \
                 wanted_config.meaning().get("rampup_tokens") and (
                 not stop_changed or stopped_at_budget(run_dir, wanted_config)):
@@ -138,14 +137,14 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
             return run_dir, load_config(args.config, run_args)
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
-    status = read_status(run_dir) or {}
+    status = RunFiles(run_dir).status() or {}
     same = status.get("state") in ("fault", "stopped") and not args.rerun and not config_changes(
         run_dir, resolved(args.config, run_args))  # an earlier run of this very config, ended before its budget
     if same and status["state"] == "fault":
         # it diverged (or hit another training fault) with this very config: the same seed does the same again, so
         # the outcome is reused, not trained twice
         raise RunFailed(TrainingFault.exit_code, f"variant {name} (seed {seed}) stopped on a training fault earlier, "
-                        f"with this config (reused, not run again; {run_dir / 'status.json'})")
+                        f"with this config (reused, not run again; {RunFiles(run_dir).status_path})")
     if same and status["state"] == "stopped" and status.get("resumable"):
         # stopped earlier (a signal to the harness, or to the run): go on from its checkpoint, exactly
         print(f"{run_name}: resuming the stopped run in {run_dir} from its checkpoint (outer step "
@@ -185,10 +184,9 @@ class RunFailed(SystemExit):
 def fault_row(name: str, seed: int, run_dir: Path) -> dict:
     """A run that stopped on a training fault, as the report lists it: where (the last good outer step and the
     tokens seen by then) and why (status.json's error, without its checkpoint path)."""
-    status = read_status(run_dir) or {}
+    status = RunFiles(run_dir).status() or {}
     error = str(status.get("error") or "a training fault").removeprefix("error: ").split("; stopped")[0]
-    log = run_dir / "model_training_report" / "training_log.csv"
-    rows = read_records(log, TrainerRow) if log.is_file() else []
+    rows = RunFiles(run_dir).records_if_any(TrainerRow)
     return {"variant": name, "seed": seed, "last_good_step": status.get("outer_step"),
             "tokens": max((r.global_tokens or 0 for r in rows), default=0), "error": error}
 
@@ -208,7 +206,7 @@ def pretrained(args: Options, out: Path, start: int) -> Path:
               ] if start else []
     pretrain_args = [*args.pretrain_set, *seeded, f"log_dir={out}", f"run_name={run_name}", "clearml_mode=off",
                      "save_weights_every=0"]
-    finished = (run_dir / "summary.json").is_file()
+    finished = RunFiles(run_dir).finished
     changes = config_changes(run_dir, resolved(args.pretrain_config, pretrain_args)) if finished else []
     if changes:
         print(f"phase 1: the pretrained start in {run_dir} was made with another config "
@@ -234,12 +232,11 @@ def warm_starts(args: Options, out: Path) -> list[list[str]]:
         return []
     starts = []
     for init_from in sources:
-        model_dir = (init_from / "model_weights" / "final" / "final_model").resolve()
+        model_dir = (RunFiles(init_from).weights / "final" / "final_model").resolve()
         if not (model_dir / "config.json").is_file():
             raise SystemExit(f"error: --init_from: {model_dir} holds no final model (config.json); give a finished "
                              "run directory")
-        summary = (json.loads((init_from / "summary.json").read_text()) if (init_from / "summary.json").is_file()
-                   else {})
+        summary = RunFiles(init_from).summary_or_empty()
         print(f"warm start {len(starts)} from {model_dir} ({summary.get('metric', 'metric')} "
               f"{summary.get('final_metric', '?')} on its own data)")
         starts.append([f"model_config.name={model_dir}", "model_config.pretrained=true", "tokenizer=auto"])

@@ -19,6 +19,7 @@ import yaml
 
 from benchmarks.compare.reader import first_reaching, last_within_budget, value_at
 from benchmarks.compare.shared import table
+from run_dir.reader import RunFiles
 
 # Student's t, two-sided 95% (t at 0.975) by degrees of freedom; above 30, 30's (slightly conservative)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -39,7 +40,7 @@ def paired_interval(differences: list[float]) -> tuple[float, float, float]:
 
 
 def starting_batch(run: dict) -> int:
-    config = yaml.safe_load((Path(run["run_dir"]) / "config.yaml").read_text()) or {}
+    config = yaml.safe_load(RunFiles(Path(run["run_dir"])).config_path.read_text()) or {}
     return int(config.get("initial_batch_size", 1))
 
 
@@ -271,7 +272,7 @@ def paper_section(results: dict[str, list[dict]], rows: list[dict], metric: str,
     """comparison.md's section of the paper's comparison: each AdLoCo's steps and simulated time to the targets
     that every seed of DiLoCo at the starting batch reached, over DiLoCo's (paper_rows), with the clock they were
     priced on and the grain at which steps count."""
-    run_config = yaml.safe_load((Path(next(iter(results.values()))[0]["run_dir"]) / "config.yaml").read_text())
+    run_config = yaml.safe_load(RunFiles(Path(next(iter(results.values()))[0]["run_dir"])).config_path.read_text())
     h = int(run_config.get("num_inner_steps", 1))
     every = min(r.get("evaluated_every", h) for runs in results.values() for r in runs)
     first = next(iter(results.values()))[0]

@@ -82,6 +82,7 @@ from benchmarks.tune.claims import (
     variant_of,
 )
 from benchmarks.tune.points import PointSampler, design_seed, distributions, ends
+from run_dir.reader import RunFiles
 from utils.config import ADDED_LATER, Config, load_config
 from utils.errors import Interrupted, UserError, raise_interrupted
 from utils.signals import honoured
@@ -460,7 +461,7 @@ def around_best(study: optuna.Study) -> dict[int, str]:
 
 def seed_counts(run_dirs: list, counts: list[str]) -> dict[str, list]:
     """Each count from each run's summary.json (None where a summary lacks it)."""
-    summaries = [json.loads((Path(d) / "summary.json").read_text()) for d in run_dirs] if counts else []
+    summaries = [RunFiles(Path(d)).summary() for d in run_dirs] if counts else []
     return {count: [summary.get(count) for summary in summaries] for count in counts}
 
 

@@ -1,0 +1,93 @@
+"""A run directory read back, its files named once: what a run leaves (summary.json, status.json, config.yaml,
+metrics.jsonl, the CSVs of model_training_report/, model_weights/) as `RunFiles`, each file read by one method.
+
+The run writes them under these names (run_dir/lifecycle.py; the CSVs under the names their records give,
+training_logs/records.py `CSV_FILES`). The harness, the replay, the tuner and the probes read runs through this, and
+nothing else in benchmarks/ names a run's files (tests/test_layout.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TypeVar
+
+from run_dir.run_config import load_run_config
+from run_dir.run_state import STATUS_FILE, read_status
+from training_logs.records import CSV_FILES, InnerEval, MergeEvent, NodeTime, TrainerRow, read_records
+from utils.config import Config
+
+REPORT = "model_training_report"  # the run's CSVs and plots
+SUMMARY = "summary.json"  # written last, when a run completes
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+WEIGHTS = "model_weights"
+Record = TypeVar("Record")
+
+
+def report_file(record: type) -> str:
+    """A record type's CSV file, relative to the run directory."""
+    return f"{REPORT}/{CSV_FILES[record]}"
+
+
+# what a finished run is read back from (the harness's reader, the replay): the files a replay bundle keeps
+READ_BACK = (CONFIG, SUMMARY, STATUS_FILE, *(report_file(r) for r in (TrainerRow, MergeEvent, InnerEval, NodeTime)))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    """One run directory's files (`path`: the run directory)."""
+
+    path: Path
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run completed (its summary.json is written last)."""
+        return self.summary_path.is_file()
+
+    def summary(self) -> dict:
+        return json.loads(self.summary_path.read_text())
+
+    def summary_or_empty(self) -> dict:
+        return self.summary() if self.finished else {}
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    def config(self) -> Config:
+        """The run's config in today's meaning (run_dir/run_config.py's migrations)."""
+        return load_run_config(self.config_path)
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / STATUS_FILE
+
+    def status(self) -> dict | None:
+        """status.json (how the run ended), None when missing or unreadable."""
+        return read_status(self.path)
+
+    def csv(self, record: type) -> Path:
+        """The CSV file of a record type (training_logs/records.py)."""
+        return self.path / report_file(record)
+
+    def records(self, record: type[Record]) -> list[Record]:
+        """Every row of the record type's CSV file, typed (training_logs/records.py read_records)."""
+        return read_records(self.csv(record), record)
+
+    def records_if_any(self, record: type[Record]) -> list[Record]:
+        """As `records`, [] when the run has not written that file (an older run, or one that stopped early)."""
+        return self.records(record) if self.csv(record).is_file() else []
+
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl: every scalar the trackers got, a line per call."""
+        return [json.loads(line) for line in (self.path / METRICS).read_text().splitlines()]
+
+    @property
+    def weights(self) -> Path:
+        """model_weights/: the checkpoints and the final model."""
+        return self.path / WEIGHTS
