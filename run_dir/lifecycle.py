@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from run_dir.reader import CONFIG, METRICS, REPORT, SUMMARY
+from run_dir.run_state import CONFIG, METRICS, REPORT, SUMMARY
 from utils.config import Config
 from utils.errors import ConfigError, RunStopped, TrainingFault, UserError
 from utils.openmp import openmp_waits

@@ -1,9 +1,10 @@
 """A run directory read back, its files named once: what a run leaves (summary.json, status.json, config.yaml,
 metrics.jsonl, the CSVs of model_training_report/, model_weights/) as `RunFiles`, each file read by one method.
 
-The run writes them under these names (run_dir/lifecycle.py; the CSVs under the names their records give,
-training_logs/records.py `CSV_FILES`). The harness, the replay, the tuner and the probes read runs through this, and
-nothing else in benchmarks/ names a run's files (tests/test_layout.py)."""
+The run writes them under these names (named in run_dir/run_state.py, which loads no torch, for
+run_dir/lifecycle.py; the CSVs under the names their records give, training_logs/records.py `CSV_FILES`). The
+harness, the replay, the tuner and the probes read runs through this, and nothing else in benchmarks/ names a run's
+files (tests/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from run_dir.run_config import load_run_config
-from run_dir.run_state import STATUS_FILE, read_status
+from run_dir.run_state import CONFIG, METRICS, REPORT, STATUS_FILE, SUMMARY, WEIGHTS, read_status
 from training_logs.records import CSV_FILES, InnerEval, MergeEvent, NodeTime, TrainerRow, read_records
 from utils.config import Config
 
-REPORT = "model_training_report"  # the run's CSVs and plots
-SUMMARY = "summary.json"  # written last, when a run completes
-CONFIG = "config.yaml"
-METRICS = "metrics.jsonl"
-WEIGHTS = "model_weights"
 Record = TypeVar("Record")
 
 

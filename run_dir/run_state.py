@@ -27,6 +27,12 @@ from utils.errors import UserError
 
 LOCK_FILE = "run.lock"
 STATUS_FILE = "status.json"
+# the other files a run leaves, named once (run_dir/reader.py reads them back); here, where importing loads no torch
+REPORT = "model_training_report"  # the run's CSVs and plots
+SUMMARY = "summary.json"  # written last, when a run completes
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+WEIGHTS = "model_weights"
 
 
 def process_start_time(pid: int) -> str:

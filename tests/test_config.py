@@ -192,6 +192,9 @@ def test_openmp_spinning_is_limited_only_before_torch_loads_and_when_the_user_ch
     assert spin(GOMP_SPINCOUNT="5") == "5"
     assert spin(OMP_WAIT_POLICY="PASSIVE") == "None"
     assert spin(before="import torch; ") == "None"
+    # run.py's own imports load no torch, so its main() sets the policy before torch loads (the run directory's
+    # reader once pulled torch in through run_dir/lifecycle.py, and the policy was recorded but not used)
+    assert spin(before="import run; ") == "1000"
 
 
 FIRST_RELEASE = ROOT / "tests" / "fixtures" / "first_release_config.yaml"
