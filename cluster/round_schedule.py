@@ -30,7 +30,8 @@ class RoundSchedule:
     """Who runs a round, on what shape, and how many inner steps each node takes."""
 
     def __init__(self, clock: Clock, nodes: NodeSchedule, switch_mode: SwitchMode, cfg: Config) -> None:
-        self.clock, self.nodes, self.switch_mode = clock, nodes, switch_mode  # the clock's rates only
+        self.clock = clock  # its rates only (DyLU): the ledgers feed it after the round
+        self.nodes, self.switch_mode = nodes, switch_mode
         self.num_inner_steps = cfg.num_inner_steps
         self.by_speed = cfg.inner_steps_by_speed  # each node's inner steps in proportion to its throughput
 

@@ -109,10 +109,11 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
     the config to re-price it on when it differs from the finished run only in what the clock reads (else None)."""
     run_name = f"{name}_seed{seed}"
     run_dir, log = runs_folder(out) / run_name, runs_folder(out) / f"{run_name}.out"
+    run = RunFiles(run_dir)
     run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={runs_folder(out)}",
                 f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
                 f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
-    if RunFiles(run_dir).finished and not args.rerun:
+    if run.finished and not args.rerun:
         problem = damage(run_dir)
         if problem:  # a damaged finished run: said, never overwritten by a harness that cannot read it
             raise SystemExit(f"error: {run_dir}: a finished run whose {problem}; nothing was changed: move it away "
@@ -125,9 +126,9 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
             print(f"{run_name}: reusing {run_dir}: it ran the same, and stopped where this budget stops it")
             return run_dir, None
         # only what the clock reads differs, and perhaps when it stops (the budget run, now under a cluster file)
-        had_config, wanted_config = RunFiles(run_dir).config(), load_config(args.config, run_args)
+        had_config, wanted_config = run.config(), load_config(args.config, run_args)
         stop_changed = any(change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes)
-        if without(numbers_of(resolved(RunFiles(run_dir).config_path, [])), STOP_KEYS) == without(
+        if without(numbers_of(resolved(run.config_path, [])), STOP_KEYS) == without(
                 numbers_of(wanted), STOP_KEYS) and had_config.meaning().get("rampup_tokens") == \
                 wanted_config.meaning().get("rampup_tokens") and (
                 not stop_changed or stopped_at_budget(run_dir, wanted_config)):
@@ -137,14 +138,14 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
             return run_dir, load_config(args.config, run_args)
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
-    status = RunFiles(run_dir).status() or {}
+    status = run.status() or {}
     same = status.get("state") in ("fault", "stopped") and not args.rerun and not config_changes(
         run_dir, resolved(args.config, run_args))  # an earlier run of this very config, ended before its budget
     if same and status["state"] == "fault":
         # it diverged (or hit another training fault) with this very config: the same seed does the same again, so
         # the outcome is reused, not trained twice
         raise RunFailed(TrainingFault.exit_code, f"variant {name} (seed {seed}) stopped on a training fault earlier, "
-                        f"with this config (reused, not run again; {RunFiles(run_dir).status_path})")
+                        f"with this config (reused, not run again; {run.status_path})")
     if same and status["state"] == "stopped" and status.get("resumable"):
         # stopped earlier (a signal to the harness, or to the run): go on from its checkpoint, exactly
         print(f"{run_name}: resuming the stopped run in {run_dir} from its checkpoint (outer step "
@@ -184,9 +185,10 @@ class RunFailed(SystemExit):
 def fault_row(name: str, seed: int, run_dir: Path) -> dict:
     """A run that stopped on a training fault, as the report lists it: where (the last good outer step and the
     tokens seen by then) and why (status.json's error, without its checkpoint path)."""
-    status = RunFiles(run_dir).status() or {}
+    run = RunFiles(run_dir)
+    status = run.status() or {}
     error = str(status.get("error") or "a training fault").removeprefix("error: ").split("; stopped")[0]
-    rows = RunFiles(run_dir).records_if_any(TrainerRow)
+    rows = run.records_if_any(TrainerRow)
     return {"variant": name, "seed": seed, "last_good_step": status.get("outer_step"),
             "tokens": max((r.global_tokens or 0 for r in rows), default=0), "error": error}
 
