@@ -23,8 +23,8 @@ Trainers advance independently between merges (lockstep=True: every round starts
 trainer's last round, its merges and the node moves ended everywhere: this model's first version).
 ASSUMPTIONS (what it ignores): no overlap of compute and communication (except streaming's sync_delay), no
 contention between trainers or moves sharing links, evaluation and checkpoint time left out. Runs written before
-node_clock.csv carried `received_bytes` are read from training_log.csv: each node of a trainer processing the same
-number of tokens, node moves re-simulated (`_rounds_before_the_record`).
+node_clock.csv carried `received_bytes` are read as run_dir/past.py rebuilds their rounds from training_log.csv (each
+node of a trainer processing the same number of tokens, node moves re-simulated).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.comm_plan import WireSizes
 from algorithms.network import INSTANT, Network
 from algorithms.traffic import SyncCost
-from run_dir.past import infer_weight_bytes, value_of
+from run_dir.past import value_of
 from run_dir.reader import RunFiles
-from training_logs.records import MergeEvent, NodeTime, TrainerRow
+from training_logs.records import MergeEvent, NodeTime
 from utils import run_plan
 from utils.config import Config
 
@@ -151,16 +151,13 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
 
     Runs written before summary.json carried `weight_bytes` get P from their all-reduce traffic."""
     run = RunFiles(run_dir)
-    rows, merges, summary = run.records(TrainerRow), run.records(MergeEvent), run.summary()
+    summary = run.summary()
     # the run's config in today's meaning (run_dir's migrations), read by the one derivation of its plan
     cfg = run.config() if run.config_path.is_file() else None
-    by_step: dict[int, list[TrainerRow]] = {}
-    for r in rows:
-        by_step.setdefault(r.outer_step, []).append(r)
     merges_at: dict[int, list[MergeEvent]] = {}
-    for m in merges:
+    for m in run.records(MergeEvent):
         merges_at.setdefault(m.outer_step, []).append(m)
-    run_bytes = summary.get("weight_bytes") or infer_weight_bytes(by_step)  # older runs (run_dir/past.py)
+    run_bytes = run.weight_bytes()  # older runs: inferred (run_dir/past.py)
     weight_bytes = model_bytes or run_bytes
     scale = weight_bytes / run_bytes if run_bytes else 1.0  # 1 unless another model size is priced
     # every round of the run sent alike: CommPlan.sync_cost of the plan its config derives, on its recorded sizes
@@ -172,11 +169,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
         SyncCost(0, sizes.fragment_bytes, step_bytes=sizes.gradient_bytes)
     if sync.ring and summary.get("compressed_sync") != "ring":  # runs made before the ring all-gathered theirs
         sync = dataclasses.replace(sync, ring=False)
-    recorded = run.records_if_any(NodeTime)
-    if recorded and recorded[0].received_bytes is not None:
-        rounds = _recorded_rounds(recorded, merges_at, sync, scale)
-    else:
-        rounds = _rounds_before_the_record(by_step, merges_at, sync, scale)
+    rounds = _recorded_rounds(run.node_times(), merges_at, sync, scale)  # older runs: rebuilt (run_dir/past.py)
     return rounds, weight_bytes, round(int(value_of(summary, "weights_traffic_bytes", 0)) * scale)
 
 
@@ -209,43 +202,6 @@ def _recorded_rounds(recorded: list[NodeTime], merges_at: dict[int, list[MergeEv
                                               accumulation=nodes[0].accumulation,
                                               receivers=tuple(w.node_id for w in nodes if w.receives_bytes),
                                               work=tuple(nodes)))
-        rounds.append(work)
-    return rounds
-
-
-def _rounds_before_the_record(by_step: dict[int, list[TrainerRow]], merges_at: dict[int, list[MergeEvent]],
-                              sync: SyncCost, scale: float) -> list[RoundWork]:
-    """Runs written before node_clock.csv carried received_bytes: the rounds from training_log.csv, each trainer's
-    tokens split evenly over its nodes, the node moves re-simulated as the cluster tracks them (RoundDriver.jobs)."""
-    tokens_before = {r.trainer_id: 0.0 for r in by_step.get(0, [])}
-    moves_before = move_bytes_before = 0
-    held: dict[int, tuple[int, int]] = {}  # node -> (trainer, weights version) it holds, as the cluster tracks it
-    version: dict[int, int] = {}
-    rounds = []
-    for step in sorted(s for s in by_step if s > 0):
-        trained = by_step[step]
-        first = trained[0]
-        work = RoundWork(step, [], _merges(merges_at.get(step, []), scale),
-                         (first.node_moves or 0) - moves_before,
-                         round(((first.node_move_bytes or 0) - move_bytes_before) * scale))
-        moves_before, move_bytes_before = first.node_moves or 0, first.node_move_bytes or 0
-        for r in trained:
-            seen, t = float(r.tokens_seen), r.trainer_id
-            nodes = tuple(map(int, (r.nodes or "").split()))
-            mine = (t, version.get(t, 0))
-            receivers = tuple(n for n in nodes if held.get(n, mine) != mine)  # a node move (RoundDriver.jobs)
-            held.update({n: mine for n in nodes})
-            work.trainers.append(TrainerRound(r.num_nodes, seen - tokens_before.get(t, 0.0), sync, trainer_id=t,
-                                              nodes=nodes, micro_batch=r.loader_batch or 1,
-                                              accumulation=r.accumulation_steps or 1, receivers=receivers))
-            tokens_before[t] = seen
-        for m in merges_at.get(step, []):  # the survivor's count goes on from its members' sum
-            for merged in map(int, m.merged.split()):
-                tokens_before[m.survivor] = tokens_before.get(m.survivor, 0.0) + tokens_before.pop(merged, 0.0)
-            version[m.survivor] = version.get(m.survivor, 0) + 1
-            own = [n for t in work.trainers if t.trainer_id == m.survivor for n in t.nodes]
-            if own:  # the merge is computed on the survivor's first node, which so holds the result
-                held[min(own)] = (m.survivor, version[m.survivor])
         rounds.append(work)
     return rounds
 

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import TypeVar
 
+from run_dir.past import infer_weight_bytes, node_times_before_the_record
 from run_dir.run_config import load_run_config
 from run_dir.run_state import CONFIG, METRICS, REPORT, STATUS_FILE, SUMMARY, WEIGHTS, read_status
 from training_logs.records import CSV_FILES, InnerEval, MergeEvent, NodeTime, TrainerRow, read_records
@@ -78,6 +79,26 @@ class RunFiles:
     def records_if_any(self, record: type[Record]) -> list[Record]:
         """As `records`, [] when the run has not written that file (an older run, or one that stopped early)."""
         return self.records(record) if self.csv(record).is_file() else []
+
+    def node_times(self) -> list[NodeTime]:
+        """Each node's round (node_clock.csv: trainer, shape, tokens, a state it received first); of a run written
+        before node_clock.csv carried `received_bytes`, rebuilt from training_log.csv (run_dir/past.py)."""
+        recorded = self.records_if_any(NodeTime)
+        if recorded and recorded[0].received_bytes is not None:
+            return recorded
+        return [NodeTime(**row) for row in node_times_before_the_record(self.records(TrainerRow),
+                                                                         self.records_if_any(MergeEvent))]
+
+    def weight_bytes(self) -> int:
+        """P, the bytes of the run's fp32 weights (summary.json); of a run written before the summary carried it,
+        inferred from its all-reduce traffic (run_dir/past.py; 0: it never all-reduced)."""
+        recorded = self.summary().get("weight_bytes")
+        if recorded:
+            return recorded
+        by_step: dict[int, list[TrainerRow]] = {}
+        for r in self.records(TrainerRow):
+            by_step.setdefault(r.outer_step, []).append(r)
+        return infer_weight_bytes(by_step)
 
     def metrics(self) -> list[dict]:
         """metrics.jsonl: every scalar the trackers got, a line per call."""

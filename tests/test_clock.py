@@ -128,14 +128,15 @@ def test_flat_equal_speeds_in_lockstep_reproduce_the_first_models_predictions_on
 
 
 def test_runs_of_older_formats_replay_as_they_did(tmp_path):
-    """run_dir/past.py and the replay's rebuild: the committed runs predate node_clock.csv's received_bytes (their
-    rounds come from training_log.csv, node moves re-simulated); one written before summary.json carried
-    weight_bytes gets P back from its all-reduce traffic, and replays the same."""
+    """run_dir/past.py's rebuild, read through RunFiles: the committed runs predate node_clock.csv's received_bytes
+    (their nodes' rounds come from training_log.csv, each trainer's tokens split evenly, node moves re-simulated); one
+    written before summary.json carried weight_bytes gets P back from its all-reduce traffic, and replays the same."""
     import shutil
 
     assert not (FIXTURES / "adloco_seed1" / "model_training_report" / "node_clock.csv").is_file()
     rounds, weight_bytes, communicated = read_rounds(FIXTURES / "adloco_seed1")
-    assert any(w.node_moves for w in rounds) and all(not t.work for w in rounds for t in w.trainers)
+    assert any(w.node_moves for w in rounds)
+    assert all([n.tokens for n in t.work] == [t.tokens / t.num_nodes] * t.num_nodes for w in rounds for t in w.trainers)
     older = tmp_path / "adloco_seed1"
     shutil.copytree(FIXTURES / "adloco_seed1", older)
     summary = json.loads((older / "summary.json").read_text())

@@ -13,6 +13,8 @@ from algorithms.clock import ThroughputCurve
 from algorithms.network import parse_network
 from benchmarks.replay import read_rounds, replay
 from run import main
+from run_dir.past import node_times_before_the_record
+from run_dir.reader import RunFiles
 from tests.conftest import ROOT, TINY
 from tests.test_bad_input import assert_refused_before_any_work, error_lines
 from tests.test_distributed import RUN, assert_same_decisions, torchrun
@@ -24,6 +26,7 @@ from tests.test_resume_and_faults import (
     sigterm_after_outer_step_3,
     train,
 )
+from training_logs.records import MergeEvent, NodeTime, TrainerRow
 from utils.config import load_config
 
 # 4 nodes: two at full speed, two at half; node 3 away in outer steps 3-4, node 1 four times slower in 2-4;
@@ -101,6 +104,23 @@ def test_a_heterogeneous_cluster_with_a_schedule_runs_logs_and_resumes_exactly_a
     # each step's end, as the CSVs print it (6 significant digits)
     assert [times[s] for s in range(1, STEPS + 1)] == pytest.approx(
         [max(t for step, t in ends if step <= s) for s in range(1, STEPS + 1)], rel=1e-5)
+    # run_dir/past.py rebuilds the rounds of runs written before node_clock.csv from training_log.csv: on this run it
+    # finds the same nodes, trainers, shapes and node moves as the record, and each trainer's tokens
+    recorded = RunFiles(full).node_times()
+    rebuilt = [NodeTime(**n) for n in node_times_before_the_record(RunFiles(full).records(TrainerRow),
+                                                                    RunFiles(full).records(MergeEvent))]
+    assert any(n.received_bytes for n in recorded)
+
+    def who(times):
+        return sorted((n.outer_step, n.node_id, n.trainer_id, n.micro_batch, n.accumulation_steps, n.received_bytes)
+                      for n in times)
+
+    def tokens(times):
+        by_trainer = {}
+        for n in times:
+            by_trainer[n.outer_step, n.trainer_id] = by_trainer.get((n.outer_step, n.trainer_id), 0.0) + n.tokens
+        return by_trainer
+    assert who(rebuilt) == who(recorded) and tokens(rebuilt) == pytest.approx(tokens(recorded))
     # SIGTERM once outer step 3 is logged (node 3 away, node 1 slowed): the resumed run is the same run
     run_dir = sigterm_after_outer_step_3(cache_dir, tmp_path / "b", args)
     run_dir, _ = resume(run_dir)
