@@ -36,17 +36,14 @@ def run(cmd: list[str], out: Path) -> float:
     return time.time() - start
 
 
-def rows_of(run_dir: Path) -> list[TrainerRow]:
-    return RunFiles(run_dir).records(TrainerRow)
-
-
 def per_round(run_dir: Path) -> list[float]:
-    walls = sorted({r.outer_step: r.wall_time for r in rows_of(run_dir)}.items())
+    walls = sorted({r.outer_step: r.wall_time for r in RunFiles(run_dir).records(TrainerRow)}.items())
     return [b - a for (_, a), (_, b) in zip(walls, walls[1:])]
 
 
 def decisions(run_dir: Path) -> list[tuple]:
-    return [(r.outer_step, r.trainer_id, r.nodes, r.requested_batch, r.next_requested_batch) for r in rows_of(run_dir)]
+    return [(r.outer_step, r.trainer_id, r.nodes, r.requested_batch, r.next_requested_batch)
+            for r in RunFiles(run_dir).records(TrainerRow)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,18 +180,13 @@ def summary_of(run_dir: Path) -> dict:
                                     "tokens_seen")}
 
 
-def rows_of(run_dir: Path) -> list[TrainerRow]:
-    """training_log.csv's rows, as the run's reader types them (training_logs/records.py)."""
-    return RunFiles(run_dir).records(TrainerRow)
-
-
 DECISIONS = ("outer_step", "trainer_id", "nodes", "requested_batch", "loader_batch", "accumulation_steps",
              "next_requested_batch")
 
 
 def compare_runs(a: Path, b: Path, rel: float) -> dict:
     """Decisions identical? Largest relative difference of val_perplexity."""
-    ra, rb = rows_of(a), rows_of(b)
+    ra, rb = RunFiles(a).records(TrainerRow), RunFiles(b).records(TrainerRow)
     same = len(ra) == len(rb) and all(getattr(x, k) == getattr(y, k) for x, y in zip(ra, rb) for k in DECISIONS)
     worst = max((abs(x.val_perplexity - y.val_perplexity) / x.val_perplexity for x, y in zip(ra, rb)), default=0.0)
     return {"same_decisions": same, "max_rel_perplexity_difference": worst, "within": worst <= rel}
@@ -341,7 +336,7 @@ def second_round_s(run_dir: Path) -> float:
     """The wall seconds of a run's last outer step (its round, outer step and evaluation), from training_log.csv's
     cumulative wall_time; the whole run's when it has one step."""
     walls: dict[int, float] = {}
-    for row in rows_of(run_dir):
+    for row in RunFiles(run_dir).records(TrainerRow):
         walls[row.outer_step] = max(walls.get(row.outer_step, 0.0), row.wall_time or 0.0)
     last = max(walls)
     return walls[last] - walls.get(last - 1, 0.0)

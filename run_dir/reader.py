@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import TypeVar
 
+import yaml
+
 from run_dir.past import infer_weight_bytes, node_times_before_the_record
 from run_dir.run_config import load_run_config
 from run_dir.run_state import CONFIG, METRICS, REPORT, STATUS_FILE, SUMMARY, WEIGHTS, read_status
@@ -59,6 +61,11 @@ class RunFiles:
     def config(self) -> Config:
         """The run's config in today's meaning (run_dir/run_config.py's migrations)."""
         return load_run_config(self.config_path)
+
+    def config_as_written(self) -> dict:
+        """config.yaml's keys and values as the run wrote them, in its version's meaning (no migration; {} when
+        empty): what the run itself said, where a report quotes it."""
+        return yaml.safe_load(self.config_path.read_text()) or {}
 
     @property
     def status_path(self) -> Path:

@@ -15,8 +15,6 @@ import math
 import statistics
 from pathlib import Path
 
-import yaml
-
 from benchmarks.compare.reader import first_reaching, last_within_budget, value_at
 from benchmarks.compare.shared import table
 from run_dir.reader import RunFiles
@@ -40,8 +38,7 @@ def paired_interval(differences: list[float]) -> tuple[float, float, float]:
 
 
 def starting_batch(run: dict) -> int:
-    config = yaml.safe_load(RunFiles(Path(run["run_dir"])).config_path.read_text()) or {}
-    return int(config.get("initial_batch_size", 1))
+    return int(RunFiles(Path(run["run_dir"])).config_as_written().get("initial_batch_size", 1))
 
 
 def paper_targets(reference: list[dict], budget: float, higher: bool) -> dict[str, float]:
@@ -272,7 +269,7 @@ def paper_section(results: dict[str, list[dict]], rows: list[dict], metric: str,
     """comparison.md's section of the paper's comparison: each AdLoCo's steps and simulated time to the targets
     that every seed of DiLoCo at the starting batch reached, over DiLoCo's (paper_rows), with the clock they were
     priced on and the grain at which steps count."""
-    run_config = yaml.safe_load(RunFiles(Path(next(iter(results.values()))[0]["run_dir"])).config_path.read_text())
+    run_config = RunFiles(Path(next(iter(results.values()))[0]["run_dir"])).config_as_written()
     h = int(run_config.get("num_inner_steps", 1))
     every = min(r.get("evaluated_every", h) for runs in results.values() for r in runs)
     first = next(iter(results.values()))[0]
