@@ -291,11 +291,10 @@ class RoundDriver:
             return None
         survivor = self.trainers[plan.survivor]
         others = [self.trainers[m] for m in plan.members[1:]]
+        holders = state.holders(plan.members)  # where each member's state is, asked once
         # the absorbed states travel to the survivor's first node, which computes the average
-        coordinator = min((n for n, t in state.owner.items() if t == plan.survivor),
-                          default=state.holder(plan.survivor))
+        coordinator = min((n for n, t in state.owner.items() if t == plan.survivor), default=holders[plan.survivor])
         payloads = [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others]
-        holders = state.holders(plan.members[1:])
         self.backend.transfer([(m, holders[m], coordinator) for m in plan.members[1:]], self.trainers,
                               compression=self.merge_sync)
         survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used

@@ -54,13 +54,10 @@ class ClusterState:
         self.wall_before = 0.0  # seconds trained before a resume
         self.checkpointed_step: int | None = None  # the outer step of the last checkpoint written
 
-    def holder(self, trainer_id: int) -> int:
-        """The lowest node holding this trainer's current state (under torchrun: a process that has it).
-        No node yet: every process has it (the common initial weights, or a checkpoint all loaded)."""
-        return self.holders([trainer_id])[trainer_id]
-
     def holders(self, trainer_ids) -> dict[int, int]:
-        """holder() of each of these trainers, answered at once (a round asks for all of them)."""
+        """For each of these trainers, the lowest node holding its current state (under torchrun: a process that has
+        it); no node yet: 0, since every process has it (the common initial weights, or a checkpoint all loaded).
+        Answered at once: a round and a merge ask for all their trainers."""
         lowest: dict[tuple[int, int], int] = {}
         for n, held in sorted(self.holds.items(), reverse=True):
             if held is not None:

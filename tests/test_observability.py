@@ -13,13 +13,13 @@ import threading
 import time
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from run import train
 from tests.conftest import ROOT, TINY
 from training_logs.memory_monitor import MemoryMonitor
-from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import JsonlTracker, Tracker
 from training_logs.training_monitoring import TrainingLogger
 
@@ -197,15 +197,16 @@ def test_a_step_reaches_the_trackers_in_one_call_per_logger_call_with_its_memory
 
 
 def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path):
-    steps = StepLossLogger(tmp_path / "steps.csv")
     jsonl = JsonlTracker(tmp_path / "metrics.jsonl")
     logger = TrainingLogger(tmp_path / "report", _Null(), MemoryMonitor(tmp_path / "mem", ["cpu"]))
     threads, per_thread = 16, 200
 
     def work(t):
         for i in range(per_thread):
-            steps.log([{"outer_step": t, "trainer_id": t, "node_id": i, "inner_step": 0, "loss": 1.0,
-                        "micro_batch": 1, "accumulation_steps": 1, "learning_rate": 0.1}])
+            logger.log_round(SimpleNamespace(
+                outer_step=t, comm=None, faults=[], node_times=None, inner_evals=[],
+                step_losses=[{"outer_step": t, "trainer_id": t, "node_id": i, "inner_step": 0, "loss": 1.0,
+                              "micro_batch": 1, "accumulation_steps": 1, "learning_rate": 0.1}]))
             jsonl.log({"thread": float(t), "i": float(i)}, i)
             logger.log_step([{"outer_step": i, "trainer_id": t, "requested_batch": 1, "next_requested_batch": 1,
                               "accumulation_steps": 1, "train_loss": 1.0, "val_perplexity": 2.0, "global_tokens": 0,
@@ -216,9 +217,8 @@ def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path)
         th.start()
     for th in pool:
         th.join()
-    steps.close()
     jsonl.close()
-    with (tmp_path / "steps.csv").open() as f:
+    with (tmp_path / "report" / "step_loss_log.csv").open() as f:
         rows = [(r["trainer_id"], r["node_id"]) for r in csv.DictReader(f)]
     assert len(rows) == len(set(rows)) == threads * per_thread
     lines = [json.loads(line)["metrics"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """The rows of a run's CSV files as dataclasses: a record's fields are its file's columns, in order, and
 `CSV_FILES` names each record's file.
 
-The logger writes them (training_monitoring.py, step_loss_logger.py); they are read back with `read_records`, as
+The logger writes them (training_monitoring.py); they are read back with `read_records`, as
 typed records (an empty cell is None): by the plots (plots.py) and, for a run directory, through run_dir/reader.py
 (`RunFiles`: the harness, the replay, the tuner and the probes). A new column is one field here, and the value its
 producer puts in the row.

@@ -20,7 +20,6 @@ from training_logs.alive import models_alive
 from training_logs.csv_files import start_csv
 from training_logs.memory_monitor import MemoryMonitor
 from training_logs.records import CSV_FILES, FaultEvent, InnerEval, MergeEvent, NodeTime, StepLoss, TrainerRow, columns
-from training_logs.step_loss_logger import StepLossLogger
 from training_logs.trackers import Tracker
 
 log = logging.getLogger(__name__)
@@ -30,6 +29,7 @@ MERGE_COLUMNS = columns(MergeEvent)
 NODE_COLUMNS = columns(NodeTime)
 INNER_EVAL_COLUMNS = columns(InnerEval)
 FAULT_COLUMNS = columns(FaultEvent)
+STEP_LOSS_COLUMNS = columns(StepLoss)
 TRAFFIC = tuple(Traffic().row())  # the traffic counters (algorithms/traffic.py), all in COLUMNS
 TRACKED = ("val_perplexity", "val_accuracy", "val_loss", "train_loss", "requested_batch", "loader_batch",
            "accumulation_steps", "num_nodes", "tokens_seen", "sim_time_s", "sim_idle_s")
@@ -71,7 +71,8 @@ class TrainingLogger:
         start_csv(self.fault_path, FAULT_COLUMNS, resume_step, lambda row: row[FAULT_COLUMNS.index("action")] == "stop")
         start_csv(self.node_path, NODE_COLUMNS, resume_step)
         start_csv(self.inner_eval_path, INNER_EVAL_COLUMNS, resume_step)
-        self.step_losses = StepLossLogger(report_dir / CSV_FILES[StepLoss], resume_step)
+        self.step_loss_path = report_dir / CSV_FILES[StepLoss]
+        start_csv(self.step_loss_path, STEP_LOSS_COLUMNS, resume_step)
         self.merges = 0
         self.batch_increases = 0
         self.accumulation_used = False
@@ -113,8 +114,9 @@ class TrainingLogger:
                                 for r in record.node_times for k in ("compute_s", "idle_s")})
             if record.inner_evals:
                 self._append(self.inner_eval_path, INNER_EVAL_COLUMNS, record.inner_evals)
-        if record.step_losses is not None:
-            self.step_losses.log(record.step_losses)
+            if record.step_losses:  # as the round driver gives them (each loss already at 6 digits)
+                with self.step_loss_path.open("a", newline="") as f:
+                    csv.writer(f).writerows([row[c] for c in STEP_LOSS_COLUMNS] for row in record.step_losses)
         self._send(scalars, record.outer_step)
 
     def _send(self, scalars: dict[str, float], step: int) -> None:
@@ -194,7 +196,7 @@ class TrainingLogger:
 
         with self._lock:
             paths = plot_training(self.csv_path, self.merge_path, self.report_dir, self.metric, self.higher_is_better)
-        step_plot = plot_step_loss(self.step_losses.path, self.merge_path, self.report_dir / "step_loss.png")
+        step_plot = plot_step_loss(self.step_loss_path, self.merge_path, self.report_dir / "step_loss.png")
         paths += [step_plot] if step_plot else []
         paths.append(self.memory.plot())
         for path in paths:
@@ -203,12 +205,11 @@ class TrainingLogger:
 
     def finish(self, summary: dict) -> None:
         """Final artifacts: the CSV files and the summary."""
-        for path in (self.csv_path, self.merge_path, self.fault_path, self.node_path, self.step_losses.path,
+        for path in (self.csv_path, self.merge_path, self.fault_path, self.node_path, self.step_loss_path,
                      self.inner_eval_path, self.memory.csv_path):
             self.tracker.log_artifact(path.name, path)
         self.tracker.log_artifact("summary", summary)
 
     def close(self) -> None:
         self._send({}, -1)  # readings of a step that failed before it was logged
-        self.step_losses.close()
         self.tracker.close()
