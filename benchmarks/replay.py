@@ -38,7 +38,7 @@ from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.comm_plan import WireSizes
 from algorithms.network import INSTANT, Network
 from algorithms.traffic import SyncCost
-from run_dir.past import value_of
+from run_dir.past import reduced_as_ring, value_of
 from run_dir.reader import RunFiles
 from training_logs.records import MergeEvent, NodeTime
 from utils import run_plan
@@ -167,7 +167,7 @@ def read_rounds(run_dir: Path, statistics: bool = True, model_bytes: int | None 
                       round(int(summary.get("gradient_bytes") or 0) * scale))
     sync = run_plan.recorded_comm_plan(cfg, sizes).sync_cost(True) if cfg is not None else \
         SyncCost(0, sizes.fragment_bytes, step_bytes=sizes.gradient_bytes)
-    if sync.ring and summary.get("compressed_sync") != "ring":  # runs made before the ring all-gathered theirs
+    if sync.ring and not reduced_as_ring(summary):  # older runs all-gathered theirs (run_dir/past.py)
         sync = dataclasses.replace(sync, ring=False)
     rounds = _recorded_rounds(run.node_times(), merges_at, sync, scale)  # older runs: rebuilt (run_dir/past.py)
     return rounds, weight_bytes, round(int(value_of(summary, "weights_traffic_bytes", 0)) * scale)

@@ -1,18 +1,20 @@
 """What older versions of this project wrote, read and resumed today: the one room for the past.
 
-Here: columns and summary.json keys renamed since (`RENAMED`, `value_of`, `renamed_header`), and the fp32 weights'
-size P of runs written before summary.json carried `weight_bytes` (`infer_weight_bytes`), and each node's round of runs
-written before node_clock.csv carried `received_bytes`, rebuilt from training_log.csv (`node_times_before_the_record`);
-run_dir/reader.py serves both in today's form, so the replay reads every run's recorded rounds alike. Beside it, in
-run_dir/:
-the config's migrations (run_config.py: keys whose meaning or default changed, read in today's meaning). Elsewhere,
-each where the format is read, and pointing here:
+Here, each answering in today's terms:
+- columns and summary.json keys renamed since (`RENAMED`, `value_of`, `renamed_header`);
+- the fp32 weights' size P of runs written before summary.json carried `weight_bytes` (`infer_weight_bytes`);
+- each node's round of runs written before node_clock.csv carried `received_bytes`, rebuilt from training_log.csv
+  (`node_times_before_the_record`); run_dir/reader.py serves it and P as it serves today's, so the replay reads
+  every run's recorded rounds alike;
+- how an older run synced (`reduced_as_ring`: runs before the quantized ring all-gathered their payloads) and what
+  its mid-round evaluations scored (`scored_synced_models`: before the synced rule, a trainer's first node), which the
+  replay and the harness's reader ask.
+Beside it, in run_dir/: the config's migrations (run_config.py: keys whose meaning or default changed, read in
+today's meaning). Elsewhere, each where the format is read, and pointing here:
 - checkpoints: utils/config_schema.py `added_later` (keys added since leave an older run's hash, and so its
   --resume, unchanged); cluster/ledgers.py and training_logs/training_monitoring.py start counters an older
   checkpoint lacks at their first value;
-- CSVs resumed: training_logs/csv_files.py (an older version's columns, a subset, carry over by name);
-- the replay (benchmarks/replay.py): runs before the quantized ring priced as all-gathers;
-- the harness's reader (benchmarks/compare/reader.py): runs before the synced mid-round model scored the first node.
+- CSVs resumed: training_logs/csv_files.py (an older version's columns, a subset, carry over by name).
 Every one of them is tested on files of the older format (tests/fixtures/priced_runs: runs made before node_clock.csv,
 the ring and `weight_bytes`; tests/fixtures/first_release_config.yaml). No format version is written: the files of
 every older run stay readable, so nothing is dropped.
@@ -57,6 +59,18 @@ def infer_weight_bytes(rows_by_step: dict[int, list]) -> int:
             return (total - before) // ring
         before = total
     return 0
+
+
+def reduced_as_ring(summary: dict) -> bool:
+    """Whether a run with a reducible compressed sync reduced it as a ring of quantized shards (summary.json's
+    `compressed_sync`); runs before the ring all-gathered every payload, and say nothing."""
+    return summary.get("compressed_sync") == "ring"
+
+
+def scored_synced_models(evaluations: list) -> bool:
+    """Whether a run's mid-round evaluations (inner_eval.csv's records) scored each trainer's synced model; runs
+    before that rule (no `nodes` column) scored its first node's own weights."""
+    return all(e.nodes is not None for e in evaluations)
 
 
 _STALE = (-1, -1)  # what an away node holds (cluster/state.py STALE)

@@ -146,6 +146,21 @@ def test_runs_of_older_formats_replay_as_they_did(tmp_path):
     assert inferred == weight_bytes == 7148032 and again == rounds
 
 
+def test_the_past_says_how_an_older_run_synced_and_what_its_evaluations_scored():
+    """run_dir/past.py: a run says it reduced its compressed sync as a ring (summary.json's compressed_sync); runs
+    before the ring say nothing and all-gathered. inner_eval.csv's rows name the nodes whose synced model they score;
+    runs before that rule have no nodes column (None) and scored the first node's own weights."""
+    from types import SimpleNamespace
+
+    from run_dir.past import reduced_as_ring, scored_synced_models
+
+    assert reduced_as_ring({"compressed_sync": "ring"})
+    assert not reduced_as_ring({"compressed_sync": "all_gather"}) and not reduced_as_ring({})
+    assert scored_synced_models([SimpleNamespace(nodes="0 1"), SimpleNamespace(nodes="2")])
+    assert not scored_synced_models([SimpleNamespace(nodes="0 1"), SimpleNamespace(nodes=None)])
+    assert not reduced_as_ring(json.loads((FIXTURES / "adloco_int8_seed0" / "summary.json").read_text()))
+
+
 def test_a_slow_node_in_a_replayed_run_slows_its_trainer_only():
     rounds, weight_bytes, _ = read_rounds(FIXTURES / "diloco_streaming_seed0")
     nodes = {n for w in rounds for t in w.trainers for n in t.nodes}

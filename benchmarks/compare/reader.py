@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from run_dir.past import scored_synced_models
 from run_dir.reader import RunFiles, report_file
 from training_logs.alive import models_alive
 from training_logs.records import InnerEval, MergeEvent, TrainerRow
@@ -91,8 +92,7 @@ def read_run(run_dir: Path, reprice_on: Config | None = None) -> dict:
     evaluations = run.records_if_any(InnerEval)
     return {"run_dir": run_dir, "curve": curve, "fine_curve": fine_curve(curve, evaluations, metric, inner_steps),
             "evaluated_every": min((e.inner_step for e in evaluations), default=inner_steps),
-            # runs before the synced rule (no `nodes` column) scored the trainer's first node's own weights
-            "synced_mid_round": all(e.nodes is not None for e in evaluations),
+            "synced_mid_round": scored_synced_models(evaluations),  # older runs: the first node's (run_dir/past.py)
             "summary": summary, "metric": metric, "final": summary["final_metric"],
             "best_seen": summary.get("best_metric_seen"), "ran": ran_shapes([dataclasses.asdict(r) for r in trained]),
             "merges": [{"before": [float(v) for v in m.metric_before.split()], "weighted": m.metric_weighted_before,
