@@ -195,9 +195,9 @@ class Node:
     def on_device(self, leave: bool = True):
         """offload_idle_nodes: the node's weights and optimizer state on its device for the block, and back in host
         memory when the block ends, by an error too (leave=False: they stay on the device). Without offloading
-        nothing moves. A whole round runs in one (distributed/node_round.py: run_node, its result encoded before
-        the state leaves); a round driven pause by pause (advance) releases the node at its end and at the pauses
-        where only its weights are read, and moves it back in when it goes on."""
+        nothing moves. A round (distributed/node_round.py: advance, run_node) moves the node in at its start
+        (`steps`) and releases it at its end, once its result is encoded, and at the pauses where only its weights
+        are read, moving it back in when it goes on."""
         self._load_in()
         try:
             yield

@@ -44,17 +44,14 @@ def _checked(job: NodeJob, result: NodeResult) -> NodeFault | None:
 
 
 def run_node(node: Node, job: NodeJob, sync: OuterSync | None = None) -> NodeResult | NodeFault:
-    """One node's round; an exception or non-finite numbers become a NodeFault (RoundAbandoned passes).
-    A compressed outer sync encodes the node's pseudo-gradient here, on the node, and updates its residual
-    (a round that is rolled back restores the residual with the rest of the round's state)."""
-    with node.on_device():  # offload_idle_nodes: out once the round ended and its result is encoded
-        try:
-            result = node.run(job)
-        except (RoundAbandoned, InjectedCrash):  # a stop, or a crash the fault policy must not absorb
-            raise
-        except Exception as exc:  # a node fault, handled by the on_node_fault policy
-            return failed(job, exc)
-        return finished(job, result, node, sync)
+    """One node's whole round: `advance` to its end (a plain round never pauses), which makes its outcome (an
+    exception or non-finite numbers a NodeFault, RoundAbandoned passing; a compressed outer sync's pseudo-gradient
+    encoded on the node, its residual updated) and releases the node once it is encoded (offload_idle_nodes). A round
+    that is rolled back restores the residual with the rest of the round's state."""
+    round_steps = node.steps(job)
+    while not isinstance(outcome := advance(round_steps, job, node, sync), (NodeResult, NodeFault)):
+        pass  # a pause (none in a plain round): on to the end, as Node.run
+    return outcome
 
 
 def finished(job: NodeJob, result: NodeResult, node: Node | None, sync: OuterSync | None) -> NodeResult | NodeFault:
@@ -73,8 +70,8 @@ def advance(round_steps, job: NodeJob, node: Node | None = None, sync: OuterSync
     an exception or, at the end, non-finite numbers become a NodeFault (RoundAbandoned passes). node: released
     (offload_idle_nodes) once its round has ended, and at each pause too with release_paused (a pause where only
     its weights are read: a mid-round evaluation; it moves back in when it goes on). sync: a compressed outer sync's
-    pseudo-gradient is encoded at the end, as in `run_node` (not in a streamed round, whose fragments travel on
-    their own)."""
+    pseudo-gradient is encoded at the end (`finished`; not in a streamed round, whose fragments travel on their
+    own)."""
     try:
         paused = next(round_steps)
         if release_paused and node is not None:
@@ -90,10 +87,11 @@ def advance(round_steps, job: NodeJob, node: Node | None = None, sync: OuterSync
         if node is not None:
             node.release()
         return failed(job, exc)
-    outcome = finished(job, result, node, sync)
-    if node is not None:
-        node.release()
-    return outcome
+    try:
+        return finished(job, result, node, sync)
+    finally:  # released once the result is encoded, and by an error in encoding too
+        if node is not None:
+            node.release()
 
 
 def token_shares(tokens: list[float]) -> list[float]:

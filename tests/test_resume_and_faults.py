@@ -373,17 +373,17 @@ def test_a_stop_inside_a_threaded_round_resumes_exactly(reference, tmp_path, cac
 
     stop = StopSignals()
     calls = {"node 1": 0}
-    real_run = node_module.Node.run
+    real_steps = node_module.Node.steps
 
-    def run(node, job):
+    def steps(node, job, pauses=()):  # a node's round starts (distributed/node_round.py)
         if node.node_id == 1:
             calls["node 1"] += 1
             if calls["node 1"] == 3:
                 stop.signum = signal.SIGTERM
                 stop.event.set()  # what the signal handler does
-        return real_run(node, job)
+        return real_steps(node, job, pauses)
 
-    monkeypatch.setattr(node_module.Node, "run", run)
+    monkeypatch.setattr(node_module.Node, "steps", steps)
     cfg = load_config(ROOT / "config.yaml", overrides(cache_dir, tmp_path, "run_name=threads", "node_execution=threads",
                                                       f"num_outer_steps={STEPS}"))
     with pytest.raises(RunStopped, match="stopped by SIGTERM after outer step 2"):
