@@ -103,9 +103,10 @@ def node_times_before_the_record(rows: list, merges: list) -> list[dict]:
         present = {int(n) for r in by_step[step] for n in (r.nodes or "").split()}
         for n in set(held) - present:  # away this round: its copy goes stale as its trainer trains on
             held[n] = _STALE
+        nodes_of: dict[int, tuple[int, ...]] = {}  # this round's nodes of each trainer
         for r in by_step[step]:
             seen, t = float(r.tokens_seen), r.trainer_id
-            nodes = tuple(map(int, (r.nodes or "").split()))
+            nodes = nodes_of[t] = tuple(map(int, (r.nodes or "").split()))
             mine = (t, version.get(t, 0))
             receivers = {n for n in nodes if held.get(n, mine) != mine}
             held.update({n: mine for n in nodes})
@@ -120,7 +121,6 @@ def node_times_before_the_record(rows: list, merges: list) -> list[dict]:
             for merged in map(int, m.merged.split()):
                 tokens_before[m.survivor] = tokens_before.get(m.survivor, 0.0) + tokens_before.pop(merged, 0.0)
             version[m.survivor] = version.get(m.survivor, 0) + 1
-            own = [n["node_id"] for n in times if n["outer_step"] == step and n["trainer_id"] == m.survivor]
-            if own:  # the merge is computed on the survivor's first node, which so holds the result
-                held[min(own)] = (m.survivor, version[m.survivor])
+            if nodes_of.get(m.survivor):  # the merge is computed on the survivor's first node, which so holds it
+                held[min(nodes_of[m.survivor])] = (m.survivor, version[m.survivor])
     return times
