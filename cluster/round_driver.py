@@ -85,6 +85,10 @@ class RoundDriver:
         self.grad_chunks = plan.grad_chunks
         # what a trainer's round sends and costs, without and with its nodes' statistics: the plan's, every round
         self.sync_costs = {sent: plan.sync_cost(sent) for sent in (False, True)}
+        # what a trainer's state weighs when it moves to a node (weights and outer state), and encoded for a merge:
+        # the same for every trainer (one model, one algorithm) and every round, so, as the sync costs, known once
+        self.state_bytes = next(iter(state.trainers.values())).transfer_bytes()
+        self.merge_payload_bytes = self.merge_sync.payload_bytes(self.state_bytes // 4)
         self.tokens_per_sequence = state.nodes[0].data.tokens_per_sequence  # every node reads the same corpus
         self.injected = cfg.injected_faults()
         self.round_window: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
@@ -139,7 +143,7 @@ class RoundDriver:
                                     sync_gradients=trainer.syncs_gradients))
                 tokens = float(self.tokens_per_sequence[indices.reshape(-1)].sum())
                 self.record.work.setdefault(t, []).append(
-                    NodeWork(node_id, tokens, loader_batch, accumulation, trainer.transfer_bytes() if moved else 0))
+                    NodeWork(node_id, tokens, loader_batch, accumulation, self.state_bytes if moved else 0))
                 self.record.inner_steps[node_id] = steps
         for t, node_ids in plan.assignment.items():
             for node_id in node_ids:
@@ -294,7 +298,7 @@ class RoundDriver:
         holders = state.holders(plan.members)  # where each member's state is, asked once
         # the absorbed states travel to the survivor's first node, which computes the average
         coordinator = min((n for n, t in state.owner.items() if t == plan.survivor), default=holders[plan.survivor])
-        payloads = [self.merge_sync.payload_bytes(o.transfer_bytes() // 4) for o in others]
+        payloads = [self.merge_payload_bytes] * len(others)
         self.backend.transfer([(m, holders[m], coordinator) for m in plan.members[1:]], self.trainers,
                               compression=self.merge_sync)
         survivor.absorb(others, list(plan.weights))  # under torchrun, only the coordinator's result is used

@@ -157,21 +157,21 @@ def test_the_benchmarks_read_run_directories_through_one_reader():
     assert RunFiles(Path("r")).csv(NodeTime) == Path("r/model_training_report/node_clock.csv")
 
 
-def walk_of(tmp_path: Path, a_source: str):
-    """benchmarks.walk's counter over a.f, with a.py's source given and b.py's g a one-liner."""
+def walk_of(tmp_path: Path, a_source: str, counter: str = "Walk", b_source: str = "def g():\n    return 1\n"):
+    """benchmarks.walk's counter (Walk or Reading) over a.f, with a.py's source given and b.py's (g a one-liner)."""
     import importlib.util
     import sys
 
-    from benchmarks.walk import Walk
+    import benchmarks.walk
 
-    (tmp_path / "b.py").write_text("def g():\n    return 1\n")
+    (tmp_path / "b.py").write_text(b_source)
     (tmp_path / "a.py").write_text(a_source)
     sys.path.insert(0, str(tmp_path))
     try:
         spec = importlib.util.spec_from_file_location("a", tmp_path / "a.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        walk = Walk(tmp_path)
+        walk = getattr(benchmarks.walk, counter)(tmp_path)
         sys.setprofile(walk)
         try:
             module.f()
@@ -180,6 +180,7 @@ def walk_of(tmp_path: Path, a_source: str):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("b", None)
+        sys.modules.pop("a", None)
     return walk
 
 
@@ -197,6 +198,23 @@ def test_the_walk_counts_a_loops_repeated_returns_once_at_their_distinct_place(t
     walk = walk_of(tmp_path, "import b\n\n\ndef f():\n    for _ in range(3):\n        b.g()\n")
     assert dict(walk.returns) == {"a.py": 3, "b.py": 2}
     assert walk.sites == {"a.py": {("b.py", "f", 6)}, "b.py": {("a.py", "g", 1)}}
+
+
+def test_the_reading_follows_each_function_once_and_counts_the_returns_to_the_caller(tmp_path):
+    """Read by hand, a.f's two calls of b.g are one: into b, back to a (1 return into a); the second call is to a
+    function already read, not followed."""
+    reading = walk_of(tmp_path, "import b\n\n\ndef f():\n    b.g()\n    b.g()\n", "Reading")
+    assert reading.seen == ["a.py", "b.py"] and dict(reading.returns) == {"a.py": 1} and not reading.calls_back
+
+
+def test_the_reading_tells_a_call_back_into_a_file_from_a_return_to_it(tmp_path):
+    """a.f calls b.h, which calls a.k: into b, then a call back into a (not a return: a.k is read anew), back to b
+    (a return into b), back to a (a return into a); then a.f calls b.h again (read already: not followed) and a.k
+    itself (read already, through b: not followed either)."""
+    a = "import b\n\n\ndef k():\n    return 2\n\n\ndef f():\n    b.h()\n    b.h()\n    k()\n"
+    reading = walk_of(tmp_path, a, "Reading", b_source="import a\n\n\ndef h():\n    return a.k()\n")
+    assert reading.seen == ["a.py", "b.py"]
+    assert dict(reading.returns) == {"a.py": 1, "b.py": 1} and dict(reading.calls_back) == {"a.py": 1}
 
 
 def test_the_benchmarks_run_as_modules_without_patching_the_import_path():
