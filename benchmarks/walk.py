@@ -123,11 +123,11 @@ class Reading(Walk):
 
 
 class StepWindow:
-    """Hands the profile's events to `counter` from the call of ClusterController.run_outer_step(step) to the next
-    call of it (its frame's own arguments say which step; no engine code is patched)."""
+    """Hands the profile's events to each of `counters` from the call of ClusterController.run_outer_step(step) to
+    the next call of it (its frame's own arguments say which step; no engine code is patched)."""
 
-    def __init__(self, step: int, counter: Walk) -> None:
-        self.step, self.counter, self.active, self.done = step, counter, False, False
+    def __init__(self, step: int, *counters: Walk) -> None:
+        self.step, self.counters, self.active, self.done = step, counters, False, False
 
     def __call__(self, frame, event, arg) -> None:
         if self.done:
@@ -136,26 +136,26 @@ class StepWindow:
             self.done = self.active  # the next step starts: the walk is over
             self.active = frame.f_locals["outer_step"] == self.step
         if self.active and not self.done:
-            self.counter(frame, event, arg)
+            for counter in self.counters:
+                counter(frame, event, arg)
 
 
 def walk_step(step: int, overrides: list[str]) -> tuple[Walk, Reading]:
     """The walk and the reading of outer step `step` of a run of the tiny config (plus overrides), in this process
-    (two runs of the same config: each counter sees its own, identical, step)."""
+    (both counters see the same events)."""
     import tempfile
 
     from run import train
     from utils.config import load_config
 
-    counters = Walk(ROOT), Reading(ROOT)
-    for counter in counters:
-        sys.setprofile(StepWindow(step, counter))
-        try:
-            with tempfile.TemporaryDirectory() as logs:
-                train(load_config(ROOT / "config.yaml", [*TINY, f"log_dir={logs}", *overrides]))
-        finally:
-            sys.setprofile(None)
-    return counters
+    walk, reading = Walk(ROOT), Reading(ROOT)
+    sys.setprofile(StepWindow(step, walk, reading))
+    try:
+        with tempfile.TemporaryDirectory() as logs:
+            train(load_config(ROOT / "config.yaml", [*TINY, f"log_dir={logs}", *overrides]))
+    finally:
+        sys.setprofile(None)
+    return walk, reading
 
 
 def main(argv: list[str] | None = None) -> int:
