@@ -197,14 +197,13 @@ class RoundDriver:
         start = time.perf_counter()
         try:
             with self.round_window(outer_step), collector.paused():  # no collector pause amid the node work
-                self.backend.transfer(moves, self.trainers)
-                results, faults = self.backend.run_round(jobs, self.trainers, mid_round)
+                outcome = self.backend.run_round(jobs, self.trainers, mid_round, moves)
         except RoundAbandoned:
             self.state.restore(before)
             raise
+        results, faults, record.comm = outcome.results, outcome.faults, outcome.comm
         record.seconds["round"] = time.perf_counter() - start
         record.seconds["statistics"] = sum(res.statistics_seconds for res in results.values())
-        record.comm = self.backend.take_round_comm()
         if faults:
             self._handle_faults(outer_step, faults, before, any_result=bool(results))
         record.step_losses = [

@@ -17,7 +17,7 @@ from algorithms.comm_plan import CommPlan
 from algorithms.outer_sync import OuterSync, empty_wire, flatten, sum_wires
 from distributed.mid_round import MidRound, MidRoundPlan, SummedStates, evaluated_round, own_steps
 from distributed.node_round import advance, combine, run_node
-from distributed.protocol import NodeFault, RoundResult
+from distributed.protocol import NodeFault, RoundOutcome
 from distributed.stacked import stacked_steps
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import SummedGradients, synchronous_round
@@ -76,7 +76,8 @@ class InProcessBackend:
         return outcomes
 
     def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None,
-                  mid_round: MidRoundPlan | None = None) -> tuple[dict[int, RoundResult], list[NodeFault]]:
+                  mid_round: MidRoundPlan | None = None, moves: list[tuple[int, int, int]] = ()) -> RoundOutcome:
+        self.transfer(moves, trainers)
         evaluations = MidRound(mid_round, SummedStates(self.master_device)) if mid_round and mid_round.steps else None
         if self.streaming is not None:
             combined, faults = self._run_streaming(jobs, trainers, evaluations)
@@ -87,7 +88,7 @@ class InProcessBackend:
         for t, rows in (evaluations.rows if evaluations is not None else {}).items():
             if t in combined:  # a trainer whose every node failed keeps no row
                 combined[t].mid_round = rows
-        return combined, faults
+        return RoundOutcome(combined, faults)
 
     def _run_plain(self, jobs: list[NodeJob], evaluations: MidRound | None):
         """Each node's round start to end (run_node), or paused at the mid-round evaluations."""
@@ -156,9 +157,6 @@ class InProcessBackend:
 
     def evaluate(self, holders: dict[int, tuple[int, dict[str, torch.Tensor]]], evaluator: Evaluator) -> dict:
         return {t: evaluator.evaluate(weights) for t, (_, weights) in holders.items()}
-
-    def take_round_comm(self) -> dict | None:
-        return None
 
     def total_sent(self) -> dict[str, int] | None:
         return None

@@ -4,8 +4,8 @@ The controller (cluster/) takes every decision; a backend executes what crosses 
 it, side by side in this folder: `in_process.InProcessBackend` (every node in this process, threads or a loop)
 and `torchrun_backend.TorchrunBackend` (one node per torchrun process, collectives). algorithms/,
 trainers.py, `node_round.py` (a node's round and how a trainer's results combine) and `streamed.py` (a Streaming
-DiLoCo round) are the same for both. What a round returns is here: `RoundResult` per trainer, `NodeFault` per failed
-node.
+DiLoCo round) are the same for both. What a round returns is here: `RoundOutcome`, with a `RoundResult` per trainer
+and a `NodeFault` per failed node.
 """
 
 from __future__ import annotations
@@ -51,12 +51,24 @@ class NodeFault:
     message: str
 
 
+@dataclass
+class RoundOutcome:
+    """A round as a backend ran it: each trainer's combined result, the nodes that failed, and (torchrun) what this
+    process's collectives cost since the last round: seconds, bytes by kind (metrics.jsonl's comm/*; None in one
+    process)."""
+
+    results: dict[int, RoundResult]
+    faults: list[NodeFault]
+    comm: dict | None = None
+
+
 class Backend(Protocol):
-    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer], mid_round: MidRoundPlan | None = None
-                  ) -> tuple[dict[int, RoundResult], list[NodeFault]]:
-        """One round of node jobs, combined per trainer (the mean of its good nodes' weights in fp32, summed in
-        node-id order, so the result never depends on timing); the nodes that failed, as faults. mid_round: the
-        nodes pause at its steps and each trainer's synced model is scored (distributed/mid_round.py)."""
+    def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer], mid_round: MidRoundPlan | None = None,
+                  moves: list[tuple[int, int, int]] = ()) -> RoundOutcome:
+        """The round's moves first (`transfer`: each trainer's state to a node that does not hold it), then one round
+        of node jobs, combined per trainer (the mean of its good nodes' weights in fp32, summed in node-id order, so
+        the result never depends on timing); the nodes that failed, as faults. mid_round: the nodes pause at its
+        steps and each trainer's synced model is scored (distributed/mid_round.py)."""
 
     def transfer(self, moves: list[tuple[int, int, int]], trainers: dict[int, Trainer], kind: str = "weights",
                  compression: OuterSync | None = None) -> None:
@@ -71,9 +83,6 @@ class Backend(Protocol):
 
     def gather_optimizer_states(self, local: object) -> list:
         """Every node's piece of per-node state (its inner optimizer, residual, weights), in node order."""
-
-    def take_round_comm(self) -> dict | None:
-        """What the collectives since the last call cost (seconds, bytes by kind); None in one process."""
 
     def total_sent(self) -> dict[str, int] | None:
         """Bytes all processes' collectives sent over the run, by kind; None in one process."""

@@ -56,7 +56,7 @@ from distributed.collectives import Collectives
 from distributed.liveness import CollectiveError, collective
 from distributed.mid_round import MidRound, MidRoundPlan, evaluated_round
 from distributed.node_round import advance, run_node, token_shares
-from distributed.protocol import NodeFault, RoundResult
+from distributed.protocol import NodeFault, RoundOutcome, RoundResult
 from distributed.ring import QuantizedRing, RingHalf, ordered_sum
 from distributed.streamed import LEFT, streamed_round
 from distributed.synchronous import synchronous_round
@@ -102,11 +102,15 @@ class TorchrunBackend:
         return out
 
     def run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer] | None = None,
-                  mid_round: MidRoundPlan | None = None):
+                  mid_round: MidRoundPlan | None = None, moves: list[tuple[int, int, int]] = ()) -> RoundOutcome:
+        self.transfer(moves, trainers)
         try:
-            return self._run_round(jobs, trainers, mid_round)
+            results, faults = self._run_round(jobs, trainers, mid_round)
         except CollectiveError as exc:  # only a collective's own failure: any other error is this rank's own
             raise self.net.failed(exc) from None
+        # what this rank's collectives cost since the last round's end: this round, its moves, and what came after
+        # the last round (outer steps' agreement, evaluations, the merge, a checkpoint)
+        return RoundOutcome(results, faults, self.net.take_round_comm())
 
     def _run_round(self, jobs: list[NodeJob], trainers: dict[int, Trainer], mid_round: MidRoundPlan | None):
         trainer_ids = sorted({j.trainer_id for j in jobs})
@@ -268,9 +272,6 @@ class TorchrunBackend:
 
     def total_sent(self) -> dict[str, int]:
         return self.net.total_sent()
-
-    def take_round_comm(self) -> dict:
-        return self.net.take_round_comm()
 
     def close(self) -> None:
         pass

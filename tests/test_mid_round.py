@@ -83,7 +83,8 @@ def _round(lrs, plan=None, concurrent=False, evaluate_every=1, steps=3, poison=N
         return {"val_loss": scored[-1]}
 
     mid_round = MidRoundPlan(evaluation_steps(evaluate_every, jobs), score)
-    results, faults = backend.run_round(jobs, {0: trainer}, mid_round)
+    outcome = backend.run_round(jobs, {0: trainer}, mid_round)
+    results, faults = outcome.results, outcome.faults
     return results, faults, scored
 
 

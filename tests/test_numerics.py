@@ -135,6 +135,34 @@ def _trainers(cls, **overrides):
     return [cls(i, state, {"w"}, cfg, ShardSampler(4, i)) for i in range(2)]
 
 
+@pytest.mark.parametrize("algorithm, momentum", [("DiLoCo", 0.0), ("DiLoCo", 0.9), ("LocalSGD", 0.0),
+                                                ("DDP", 0.0), ("SNOO", 0.5)])
+def test_a_trainers_moving_state_weighs_the_same_for_every_trainer_and_round(algorithm, momentum):
+    """The round driver prices every node move and merge at one size, read once from the first trainer
+    (RoundDriver.state_bytes): every trainer of a run moves the same bytes, before and after outer steps and a merge,
+    and those are the bytes `transfer_tensors` sends (what a torchrun receiver allocates): weights 2 floats, plus
+    the outer momentum's 2 where the algorithm keeps one (DiLoCo, SNOO)."""
+    from trainers import TRAINERS
+
+    cfg = load_config(None, [f"distributed_algo={algorithm}", f"outer_momentum={momentum}"])
+    state = {"w": torch.tensor([1.0, 2.0])}
+    trainers = [TRAINERS[algorithm](i, state, {"w"}, cfg, ShardSampler(4, i)) for i in range(3)]
+    expected = 4 * (2 + (2 if momentum > 0 and algorithm in ("DiLoCo", "SNOO") else 0))
+
+    def weighs() -> set[int]:
+        sizes = {t.transfer_bytes() for t in trainers}
+        sent = {sum(x.numel() * x.element_size() for x in t.transfer_tensors()) for t in trainers}
+        assert sent == sizes
+        return sizes
+
+    assert weighs() == {expected}
+    for i, t in enumerate(trainers):
+        t.outer_step({"w": torch.tensor([0.5, 1.0 + i])})
+    assert weighs() == {expected}
+    trainers[0].absorb(trainers[1:], [0.5, 0.25, 0.25])
+    assert weighs() == {expected}
+
+
 def test_the_inner_adamw_on_cpu_takes_the_foreach_path_with_the_per_tensor_loops_numbers():
     """torch takes AdamW's foreach path by default only on CUDA; the inner optimizer asks for it on CPU, where it runs
     the per-tensor loop's operations in the same order: every weight equal to the last bit after steps with weight

@@ -128,8 +128,9 @@ def test_a_streaming_round_equals_the_direct_implementation(fragments, delay, al
     nodes = [Node(i, "cpu", tiny_model(), sgd, grad_clip=0.0, data=packed) for i in range(2)]
     indices = [torch.arange(8 * i, 8 * i + 4).view(4, 1, 1) for i in range(2)]  # one sequence per inner step
     backend = InProcessBackend(nodes, concurrent=False, plan=CommPlan(streaming=plan))
-    results, faults = backend.run_round([NodeJob(i, 0, trainer.master, indices[i], 0, reset_optimizer=True)
-                                         for i in range(2)], {0: trainer})
+    outcome = backend.run_round([NodeJob(i, 0, trainer.master, indices[i], 0, reset_optimizer=True)
+                                 for i in range(2)], {0: trainer})
+    results, faults = outcome.results, outcome.faults
     assert not faults and results[0].node_mean is None  # stepped fragment by fragment during the round
     master, direct_nodes = direct_streaming(model, [packed.input_ids[ix.view(4, 1)] for ix in indices],
                                             plan.fragments, plan.events, alpha, 0.5)
@@ -154,7 +155,8 @@ def test_a_node_that_diverges_mid_round_leaves_before_its_fragment_travels():
     nodes = [Node(i, "cpu", tiny_model(), sgd, grad_clip=0.0, data=packed) for i in range(2)]
     jobs = [NodeJob(i, 0, trainer.master, torch.arange(4).view(4, 1, 1), 0, reset_optimizer=True,
                     inject_fault="nan" if i == 1 else "") for i in range(2)]
-    results, faults = InProcessBackend(nodes, False, CommPlan(streaming=plan)).run_round(jobs, {0: trainer})
+    outcome = InProcessBackend(nodes, False, CommPlan(streaming=plan)).run_round(jobs, {0: trainer})
+    results, faults = outcome.results, outcome.faults
     assert [(f.node_id, f.kind) for f in faults] == [(1, "nan")] and "before a fragment sync" in faults[0].message
     assert results[0].nodes == [0]
     assert all(bool(torch.isfinite(v).all()) for v in trainer.master.values())  # nothing non-finite travelled
@@ -217,8 +219,7 @@ def test_torchft_regression_closed_form_step_by_step(delay, alpha):
     for round_ in range(3):  # the nodes go on from their own weights across rounds, as the controller has them
         jobs = [NodeJob(i, 0, trainer.master, torch.arange(6).view(6, 1, 1), 0, reset_optimizer=round_ == 0,
                         keep_local=round_ > 0) for i in range(2)]
-        _, faults = backend.run_round(jobs, {0: trainer})
-        assert not faults
+        assert not backend.run_round(jobs, {0: trainer}).faults
     seen, master = closed_form(18, 2, 6, delay, alpha)
     for model in models:
         assert model.seen == seen  # every inner step of every replica, exactly (small integers and halves)

@@ -29,7 +29,8 @@ def ddp_round(num_nodes, batch, cfg, indices, trainer_class=DDPTrainer):
     nodes = [Node(i, "cpu", tiny_model(), make, grad_clip=1.0, data=packed) for i in range(num_nodes)]
     jobs = [NodeJob(i, 0, trainer.master, indices[:, i * batch:(i + 1) * batch].reshape(-1, 1, batch), 0,
                     reset_optimizer=True, sync_gradients=trainer.syncs_gradients) for i in range(num_nodes)]
-    results, faults = InProcessBackend(nodes, concurrent=num_nodes > 1).run_round(jobs, {0: trainer})
+    outcome = InProcessBackend(nodes, concurrent=num_nodes > 1).run_round(jobs, {0: trainer})
+    results, faults = outcome.results, outcome.faults
     assert not faults
     trainer.outer_step(results[0].node_mean)
     return trainer, nodes, results[0]
@@ -83,7 +84,8 @@ def test_a_node_whose_gradient_is_not_finite_offers_nothing_and_is_a_fault():
     nodes = [Node(i, "cpu", tiny_model(), trainer.inner_optimizer_factory(cfg), 1.0, packed) for i in range(3)]
     jobs = [NodeJob(i, 0, trainer.master, torch.arange(4 * i, 4 * i + 4).view(4, 1, 1), 0, reset_optimizer=True,
                     sync_gradients=True, inject_fault="nan" if i == 1 else "") for i in range(3)]
-    results, faults = InProcessBackend(nodes, False).run_round(jobs, {0: trainer})
+    outcome = InProcessBackend(nodes, False).run_round(jobs, {0: trainer})
+    results, faults = outcome.results, outcome.faults
     assert [(f.node_id, f.kind) for f in faults] == [(1, "nan")]
     assert results[0].nodes == [0, 2]
     assert all(bool(torch.isfinite(v).all()) for v in results[0].node_mean.values())  # nothing non-finite spread
