@@ -1128,3 +1128,24 @@ def test_a_committed_report_is_repriced_for_another_model_and_network_from_its_b
     assert all(share["300m"][v] > 0.9 > share["own"][v] for v in share["300m"])  # 1.2 GB a sync swamps compute
     assert read_csv(views["300m"] / "comparison.csv") == read_csv(views["own"] / "comparison.csv")
     assert read_csv(views["own"] / "runs.csv") == read_csv(report / "runs.csv")  # the committed runs, unchanged
+
+
+def test_a_finished_run_is_compared_in_todays_meaning_of_its_config(tmp_path):
+    """The harness reuses a finished run only when its config, read through the run directory's migrations, is the
+    one asked for: a run written before statistics_comm existed sent the fp64 reference, so it is not a run of
+    today's default (minimal); the same config written today is; an unreadable one is never reused."""
+    from benchmarks.compare.runner import config_changes, finished_config, resolved
+
+    wanted_config = load_config(ROOT / "config.yaml", ["training_seed=3"])
+    written = wanted_config.to_dict()
+    today, old, broken = (tmp_path / name for name in ("today", "old", "broken"))
+    for run_dir, values in ((today, written), (old, {k: v for k, v in written.items() if k != "statistics_comm"})):
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+    broken.mkdir()
+    (broken / "config.yaml").write_text("lr_inner: [not, a, number]\n")
+    wanted = resolved(wanted_config)
+    assert wanted_config.statistics_comm == "minimal"
+    assert config_changes(finished_config(today), wanted) == []
+    assert config_changes(finished_config(old), wanted) == ["statistics_comm: 'fp64' -> 'minimal'"]
+    assert config_changes(finished_config(broken), wanted) == ["config.yaml: unreadable"]

@@ -19,11 +19,11 @@ from utils.config import WHERE_KEYS, Config, load_config
 from utils.errors import TrainingFault
 
 
-def resolved(config_path: str | Path, overrides: list[str]) -> dict:
-    """The config a run.py command line resolves to, as its config.yaml records it (cpu_capability auto:
-    the kernels torch uses here, which the harness's children inherit), without the keys that only place
-    files (WHERE_KEYS: a finished run is reused across them)."""
-    values = {k: v for k, v in load_config(config_path, overrides).to_dict().items() if k not in WHERE_KEYS}
+def resolved(cfg: Config) -> dict:
+    """A config's values as its config.yaml records them (cpu_capability auto: the kernels torch uses here, which
+    the harness's children inherit), without the keys that only place files (WHERE_KEYS: a finished run is reused
+    across them)."""
+    values = {k: v for k, v in cfg.to_dict().items() if k not in WHERE_KEYS}
     if values.get("cpu_capability") == "auto":
         import torch
 
@@ -31,27 +31,36 @@ def resolved(config_path: str | Path, overrides: list[str]) -> dict:
     return values
 
 
-def config_changes(run_dir: Path, wanted: dict) -> list[str]:
-    """How a finished run's config differs from the one asked for ('key: was -> now'); [] = the same."""
+def finished_config(run_dir: Path) -> Config | None:
+    """A run directory's config in today's meaning (run_dir/run_config.py's migrations: a run written before a key
+    existed reads as what it ran), or None when it cannot be read (unreadable, or keys of another version)."""
     try:
-        had = resolved(RunFiles(run_dir).config_path, [])
-    except Exception:  # unreadable, or keys of another version: not reusable
+        return RunFiles(run_dir).config()
+    except Exception:
+        return None
+
+
+def config_changes(had: Config | None, wanted: dict) -> list[str]:
+    """How a finished run's config (`finished_config`) differs from the one asked for (`resolved`), as 'key: was
+    -> now'; [] = the same."""
+    if had is None:
         return ["config.yaml: unreadable"]
-    return [f"{k}: {had.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(had) | set(wanted))
-            if had.get(k) != wanted.get(k)]
+    was = resolved(had)
+    return [f"{k}: {was.get(k)!r} -> {wanted.get(k)!r}" for k in sorted(set(was) | set(wanted))
+            if was.get(k) != wanted.get(k)]
 
 
 STOP_KEYS = ("max_tokens", "num_outer_steps")
 
 
-def stops_where_asked(run_dir: Path, changes: list[str], wanted: Config) -> bool:
+def stops_where_asked(run_dir: Path, changes: list[str], had: Config, wanted: Config) -> bool:
     """A finished run that differs from the one asked for only in when it stops (max_tokens, num_outer_steps:
     neither changes a step's numbers, unless max_tokens sets linear_rampup's length, which Config.meaning
     counts) is that run when it stopped at the outer step the asked-for budget stops at: the first step
     that reached max_tokens, or num_outer_steps."""
     if any(not change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes):
         return False
-    if RunFiles(run_dir).config().meaning() != wanted.meaning():
+    if had.meaning() != wanted.meaning():
         return False
     return stopped_at_budget(run_dir, wanted)
 
@@ -113,34 +122,35 @@ def run_variant(name: str, overrides: list[str], seed: int, args: Options, out: 
     run_args = [*args.overrides, *extra, *overrides, f"training_seed={seed}", f"log_dir={runs_folder(out)}",
                 f"run_name={run_name}", "clearml_mode=off", f"max_tokens={args.max_tokens}",
                 f"num_outer_steps={args.max_outer_steps}", "save_weights_every=0"]
+    wanted_config = load_config(args.config, run_args)  # the variant's config, derived once
+    wanted = resolved(wanted_config)
     if run.finished and not args.rerun:
         problem = damage(run_dir)
         if problem:  # a damaged finished run: said, never overwritten by a harness that cannot read it
             raise SystemExit(f"error: {run_dir}: a finished run whose {problem}; nothing was changed: move it away "
                              "or remove it to run it again (or give --rerun)")
-        wanted = resolved(args.config, run_args)
-        changes = config_changes(run_dir, wanted)
+        had_config = finished_config(run_dir)
+        changes = config_changes(had_config, wanted)
         if not changes:
             return run_dir, None  # finished earlier with this very config: resume the comparison, not redo it
-        if stops_where_asked(run_dir, changes, load_config(args.config, run_args)):
+        if had_config is not None and stops_where_asked(run_dir, changes, had_config, wanted_config):
             print(f"{run_name}: reusing {run_dir}: it ran the same, and stopped where this budget stops it")
             return run_dir, None
         # only what the clock reads differs, and perhaps when it stops (the budget run, now under a cluster file)
-        had_config, wanted_config = run.config(), load_config(args.config, run_args)
         stop_changed = any(change.startswith(tuple(f"{k}:" for k in STOP_KEYS)) for change in changes)
-        if without(numbers_of(resolved(run.config_path, [])), STOP_KEYS) == without(
+        if had_config is not None and without(numbers_of(resolved(had_config)), STOP_KEYS) == without(
                 numbers_of(wanted), STOP_KEYS) and had_config.meaning().get("rampup_tokens") == \
                 wanted_config.meaning().get("rampup_tokens") and (
                 not stop_changed or stopped_at_budget(run_dir, wanted_config)):
             keys = ", ".join(k for k in (c.split(":", 1)[0] for c in changes) if k not in STOP_KEYS)
             print(f"{run_name}: re-pricing {run_dir} on the new clock, not retraining: it differs only in what the "
                   f"clock reads ({keys})" + (", and stopped where this budget stops it" if stop_changed else ""))
-            return run_dir, load_config(args.config, run_args)
+            return run_dir, wanted_config
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         print(f"{run_name}: the finished run in {run_dir} was made with another config ({shown}); running it again")
     status = run.status() or {}
     same = status.get("state") in ("fault", "stopped") and not args.rerun and not config_changes(
-        run_dir, resolved(args.config, run_args))  # an earlier run of this very config, ended before its budget
+        finished_config(run_dir), wanted)  # an earlier run of this very config, ended before its budget
     if same and status["state"] == "fault":
         # it diverged (or hit another training fault) with this very config: the same seed does the same again, so
         # the outcome is reused, not trained twice
@@ -209,7 +219,8 @@ def pretrained(args: Options, out: Path, start: int) -> Path:
     pretrain_args = [*args.pretrain_set, *seeded, f"log_dir={out}", f"run_name={run_name}", "clearml_mode=off",
                      "save_weights_every=0"]
     finished = RunFiles(run_dir).finished
-    changes = config_changes(run_dir, resolved(args.pretrain_config, pretrain_args)) if finished else []
+    changes = config_changes(finished_config(run_dir), resolved(load_config(args.pretrain_config, pretrain_args))
+                             ) if finished else []
     if changes:
         print(f"phase 1: the pretrained start in {run_dir} was made with another config "
               f"({'; '.join(changes[:4])}); pretraining again")

@@ -265,9 +265,10 @@ def identity_of(name: str, variant: Variant, cfg, args: Options, tuning: Tuning,
     budget, the tuning seed and each tuned knob's range (a wider range is another study: its points are other
     points)."""
     tuned = distributions(variant.search, cfg)
-    values = resolved(args.config, [*args.overrides, *extra, *variant.overrides,
-                                    f"training_seed={tuning.tuning_seeds[0]}", f"max_tokens={args.max_tokens}",
-                                    f"num_outer_steps={args.max_outer_steps}"])
+    values = resolved(load_config(args.config, [*args.overrides, *extra, *variant.overrides,
+                                                f"training_seed={tuning.tuning_seeds[0]}",
+                                                f"max_tokens={args.max_tokens}",
+                                                f"num_outer_steps={args.max_outer_steps}"]))
     config = {k: v for k, v in values.items()
               if k not in tuned and k not in MACHINE_KEYS and k not in TRIAL_SKIPS and k != "training_seed"}
     search = {k: list(d.choices) if isinstance(d, CategoricalDistribution) else
