@@ -11,7 +11,7 @@ ThroughputCurve  tokens/s of one node at speed 1 against its micro-batch and acc
                  measured level below.
 SyncCost         (algorithms/traffic.py) what a trainer's collectives send and take at the end of its round:
                  the one model of a sync's bytes and seconds, shared with the traffic counters and the replay.
-NodeSchedule     (algorithms/node_schedule.py) nodes that leave and come back, and nodes that slow down: the
+NodeSchedule     (algorithms/round_schedule.py) nodes that leave and come back, and nodes that slow down: the
                  rounds' input (who is present, how slow), decided before a round; the clock only prices it.
 Clock            the timeline. Each node computes its round in tokens / (curve x speed / slowdown)
                  seconds, from when both it and its trainer are ready (plus receiving the trainer's state

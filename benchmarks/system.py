@@ -244,14 +244,12 @@ def bench_round(cfg_path: str, overrides: list[str]) -> tuple[dict, dict]:
         logger = TrainingLogger(Path(tmp) / "r", TrackerGroup([]), MemoryMonitor(Path(tmp) / "m", cfg.device_names))
         cluster = ClusterController.build(cfg, model, data, logger, Path(tmp) / "w")
         times = {"round": 0.0, "statistics": 0.0, "outer": 0.0, "merge": 0.0, "eval": 0.0, "total": 0.0}
-        metric = cluster.evaluator.metric
         for step in range(1, cfg.num_outer_steps + 1):
             start = time.perf_counter()
-            rows = cluster.run_outer_step(step)
-            cluster.merge(step, {r["trainer_id"]: r[metric] for r in rows})
+            record, _ = cluster.run_outer_step(step)  # the step with its merge
             times["total"] += time.perf_counter() - start
-            merged = cluster.driver.merge_record  # the merged model's evaluation counts under evaluation
-            for part in (cluster.driver.record.seconds, merged.seconds if merged is not None else {}):
+            merged = record.merge  # the merged model's evaluation counts under evaluation
+            for part in (record.seconds, merged.seconds if merged is not None else {}):
                 for key, seconds in part.items():
                     times[key] += seconds
         times["tokens"] = cluster.tokens_total

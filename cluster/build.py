@@ -17,8 +17,8 @@ from algorithms.buckets import micro_batch_buckets
 from algorithms.clock import Clock, ThroughputCurve
 from algorithms.comm_plan import CommPlan
 from algorithms.network import describe, parse_network
-from algorithms.node_schedule import NodeSchedule
 from algorithms.policies import build_merge_policy
+from algorithms.round_schedule import NodeSchedule, RoundSchedule
 from algorithms.sketch import CountSketch, sketch_coefficients
 from algorithms.streaming import StreamingPlan
 from algorithms.switch_mode import build_switch_mode
@@ -34,7 +34,6 @@ from cluster.placement import (
     use_threads,
 )
 from cluster.round_driver import Policies, RoundDriver
-from cluster.round_schedule import RoundSchedule
 from cluster.state import ClusterState
 from cluster.throughput import cached_curve, device_kind, measure_curve
 from distributed.in_process import InProcessBackend
@@ -112,7 +111,7 @@ def build_cluster(cfg: Config, model: torch.nn.Module, data: CorpusData, stop_ev
              " ".join(f"{v:g}" for v in cfg.node_speeds))
     ledgers = Ledgers(clock, state, cfg, evaluator.higher_is_better, plan.sizes.param_bytes)
     schedule = RoundSchedule(clock, NodeSchedule.parse(cfg.node_schedule, len(nodes)),
-                             build_switch_mode(cfg.switch_mode), cfg)
+                             build_switch_mode(cfg.switch_mode), cfg.num_inner_steps, cfg.inner_steps_by_speed)
     driver = RoundDriver(cfg, state, backend, schedule, evaluator, policies, plan)
     memory = None
     if dist_env is None:  # what each device holds at the nodes' max batch (run.py checked it at batch 1)

@@ -3,10 +3,10 @@
 The controller takes every decision; a backend executes what crosses nodes (distributed/protocol.py:
 `InProcessBackend` runs every node in this process, `TorchrunBackend` one node per torchrun process).
 build.py makes every part from the config (`build_cluster`, the one composition root); state.py holds the
-cluster's state (owners, holds, counters, traffic, the rollback snapshot), round_driver.py runs an outer step and a
-merge and returns their records, and ledgers.py counts what a record says (the simulated clock, the traffic, the
-best seen). `ClusterController` takes the parts, loads a
-resume; `train` is the loop; every logger call is in `run_outer_step` and `train`.
+cluster's state (owners, holds, counters, traffic, the rollback snapshot), round_driver.py runs an outer step with
+its merge and returns its record, ledgers.py counts what the record says (the simulated clock, the traffic, the best
+seen) and the logger writes it: a step is those three calls (`run_outer_step`). `ClusterController` takes the parts,
+loads a resume; `train` is the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.build import ClusterParts, build_cluster
-from cluster.round_driver import MergeRecord
+from cluster.round_driver import RoundRecord
 from fabrics.dataset_loader import CorpusData
 from node import RoundAbandoned
 from training_logs.training_monitoring import TrainingLogger
@@ -55,7 +55,8 @@ class ClusterController:
         self.streaming, self.sizes = self.plan.streaming, self.plan.sizes
         self.memory_plan = parts.memory_plan
         self.compiled = parts.compiled  # compile: the buckets and the warm-up (cluster/build.py: warm_up_compiled)
-        self.driver.round_window = logger.memory.round  # the memory monitor samples while the nodes work
+        # the memory monitor samples while the nodes work, and reads after the outer steps and after a merge
+        self.driver.round_window, self.driver.reading = logger.memory.round, logger.memory.record
         self._start = time.time()  # reset when training starts
         if resume is not None:
             for t, trainer in self.trainers.items():
@@ -138,23 +139,18 @@ class ClusterController:
     # -------------------------------------------------------------------------------------------
     # The loop
 
-    def run_outer_step(self, outer_step: int) -> list[dict]:
-        """One outer step (cluster/round_driver.py), counted by the ledgers and logged; returns the trainers' rows."""
+    def run_outer_step(self, outer_step: int) -> tuple[RoundRecord, float]:
+        """One outer step with its merge (cluster/round_driver.py), counted by the ledgers and logged: its record, and
+        the metric of the best model alive after it."""
         try:
             record = self.driver.run(outer_step)
-            self.ledgers.round(record)
+            self.ledgers.count(record)
+            wall = self.state.wall_before + time.time() - self._start
+            for row in record.rows:  # a counter of the step's end, as the ledgers' are
+                row["wall_time"] = wall
         finally:
-            self.logger.log_round(self.driver.record)  # also what a failed step did before it failed
-        return record.rows
-
-    def merge(self, outer_step: int, metrics: dict[int, float]) -> dict | None:
-        """Merge by the policy (cluster/round_driver.py), counted by the ledgers; metrics: each trainer's metric before
-        the merge. Returns merge_events.csv's row."""
-        record: MergeRecord | None = self.driver.merge(outer_step, metrics)
-        if record is None:
-            return None
-        self.ledgers.merge(record)
-        return record.event
+            best = self.logger.log_step(self.driver.record)  # also what a failed step did before it failed
+        return record, best
 
     def train(self) -> dict:
         cfg, state = self.cfg, self.state
@@ -176,26 +172,15 @@ class ClusterController:
         try:
             for outer_step in bar:
                 tokens_before = state.tokens_total
-                if self.backend.agree(self.stop.requested):
+                if self.backend.agree(self.stop.event.is_set()):  # the event the nodes poll
                     raise self._stopped()
                 try:
-                    rows = self.run_outer_step(outer_step)
+                    _, best = self.run_outer_step(outer_step)
                 except RoundAbandoned:
                     raise self._stopped() from None
                 except TrainingFault as fault:
                     raise self._fault_stop(fault) from None
-                self.logger.memory.record("after_outer_step", outer_step)
-                merge_event = self.merge(outer_step, {r["trainer_id"]: r[self.evaluator.metric] for r in rows})
-                if merge_event:
-                    self.logger.memory.record("after_merge", outer_step)
-                wall = state.wall_before + time.time() - self._start
-                # counters at the end of the outer step, its merge included: the cluster's, the same in every row
-                counters = {**self.ledgers.counters(), "wall_time": wall}
-                for row in rows:
-                    row.update(counters)
                 # the bar shows what exists after the step: the trainers left after its merge, their best model
-                best = self.logger.log_step(rows, merge_event, trainers_alive=len(self.trainers))
-                log.info(self._step_line(outer_step, rows, merge_event))
                 bar.set_postfix(trainers=len(self.trainers), **{self.evaluator.metric[4:]: f"{best:.4g}"},
                                 batch=max(t.requested_batch for t in self.trainers.values()))
                 bar.total = last_step_expected(cfg, outer_step, state.tokens_total, state.tokens_total - tokens_before)
@@ -208,7 +193,7 @@ class ClusterController:
                 if cfg.max_tokens and state.tokens_total >= cfg.max_tokens:
                     log.info("token budget reached: %d >= max_tokens %d", state.tokens_total, cfg.max_tokens)
                     break
-            if self.backend.agree(self.stop.requested):
+            if self.backend.agree(self.stop.event.is_set()):
                 raise self._stopped()
         finally:
             collector.thaw()
@@ -216,20 +201,6 @@ class ClusterController:
             self.backend.close()
         # A signal from here on only sets the flag: the final checkpoint is short and completes the run.
         return self._finish(state.initial_metric, state.wall_before + time.time() - self._start)
-
-    def _step_line(self, outer_step: int, rows: list[dict], merge_event: dict | None) -> str:
-        metric = self.evaluator.metric
-        parts = [f"[outer {outer_step}/{self.cfg.num_outer_steps}] trainers {len(rows)}"]
-        for r in rows:
-            parts.append(f"T{r['trainer_id']} nodes [{r['nodes']}] req {r['requested_batch']} "
-                         f"loader {r['loader_batch']}x{r['accumulation_steps']} loss {r['train_loss']:.3f} "
-                         f"{metric[4:]} {r[metric]:.4g} -> req {r['next_requested_batch']}")
-        if merge_event:
-            parts.append(f"merged T{merge_event['merged']} into T{merge_event['survivor']} "
-                         f"(weights {merge_event['weights']}; {metric[4:]} "
-                         f"{' '.join(f'{float(v):.4g}' for v in merge_event['metric_before'].split())} -> "
-                         f"{merge_event['metric_after']:.4g})")
-        return " | ".join(parts)
 
     def _finish(self, initial_metric: float, wall: float) -> dict:
         scores = {t: result.value for t, result in self.driver.evaluate(sorted(self.trainers)).items()}

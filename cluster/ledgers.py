@@ -20,10 +20,20 @@ class Ledgers:
         self.target_metric, self.higher_is_better = cfg.target_metric, higher_is_better
         self.time_to_target: float | None = None  # target_metric: when a trainer first reached it
 
-    def round(self, record) -> None:
-        """A finished outer step (cluster/round_driver.py RoundRecord): its node moves and collectives counted, its
-        round on the clock (node_clock.csv's rows, each trainer row's sim_time_s, sim_compute_s, sim_idle_s), its
-        evaluations seen."""
+    def count(self, record) -> None:
+        """A finished outer step (cluster/round_driver.py RoundRecord), in one place: its round, its merge, then the
+        counters after both, which every trainer row of the step carries (the cluster's, the same in every row)."""
+        self._round(record)
+        if record.merge is not None:
+            self._merge(record.merge)
+        counters = {**self.state.traffic.row(), **self.clock.counters()}
+        for row in record.rows:
+            row.update(counters)
+        record.counted = True
+
+    def _round(self, record) -> None:
+        """A round: its node moves and collectives counted, its round on the clock (node_clock.csv's rows, each
+        trainer row's sim_time_s, sim_compute_s, sim_idle_s), its evaluations seen."""
         # the state's own traffic counters (a rollback replaces them)
         self.state.traffic.round([node.receives_bytes for work in record.work.values() for node in work
                                   if node.receives_bytes], record.synced, record.costs, self.param_bytes)
@@ -44,7 +54,7 @@ class Ledgers:
         for t, value in sorted(record.scores.items()):
             self._seen(value, ends[t]["sim_time_s"])
 
-    def merge(self, record) -> None:
+    def _merge(self, record) -> None:
         """A merge (cluster/round_driver.py MergeRecord): its payloads counted and on the clock, its result seen;
         merge_events.csv's sim_time_s: when the merged model is ready."""
         self.state.traffic.merge(sum(record.payloads))
@@ -63,10 +73,6 @@ class Ledgers:
             return
         if (value >= target) if self.higher_is_better else (value <= target):
             self.time_to_target = when
-
-    def counters(self) -> dict:
-        """What every trainer row of a step carries: the traffic counters and the clock's, after the step."""
-        return {**self.state.traffic.row(), **self.clock.counters()}
 
     def state_dict(self) -> dict:
         return {**self.clock.state_dict(), "curve": [list(p) for p in self.clock.curve.points],

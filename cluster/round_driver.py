@@ -1,7 +1,8 @@
-"""The round driver: one outer step for every trainer (its jobs from the round's plan, cluster/round_schedule.py;
-the round on the backend, faults, outer steps, evaluation, batch tests) and the merges. It decides and counts
-nothing: it returns records of what happened (RoundRecord, MergeRecord), which the controller hands to the ledgers
-(cluster/ledgers.py: the clock, the traffic, the best seen) and to the logger, each in one place."""
+"""The round driver: one outer step for every trainer (its jobs from the round's plan, algorithms/round_schedule.py;
+the round on the backend, faults, outer steps, evaluation, batch tests), then its merge. It decides and counts
+nothing: it returns one record of what the step did (RoundRecord, its merge a MergeRecord in it), which the
+controller hands to the ledgers (cluster/ledgers.py: the clock, the traffic, the best seen) and to the logger, each
+in one call."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import torch
 
 from algorithms.clock import NodeWork
 from algorithms.comm_plan import CommPlan
+from algorithms.round_schedule import RoundSchedule
 from algorithms.traffic import SyncCost
-from cluster.round_schedule import RoundSchedule
 from cluster.state import STALE, ClusterState
 from distributed.mid_round import MidRoundPlan, evaluation_steps
 from distributed.protocol import Backend, NodeFault, RoundResult
@@ -33,8 +34,8 @@ log = logging.getLogger("cluster")
 
 @dataclasses.dataclass
 class RoundRecord:
-    """What one outer step did, as the logger writes it (filled as the step goes: a step that raises keeps
-    what it did before, and the controller still logs that)."""
+    """What one outer step did, its merge included, as the ledgers count it and the logger writes it (filled as the
+    step goes: a step that raises keeps what it did before, and the controller still logs that)."""
     outer_step: int
     comm: dict | None = None  # torchrun: what this rank's collectives cost (metrics.jsonl)
     faults: list[dict] = dataclasses.field(default_factory=list)  # fault_events.csv
@@ -54,6 +55,9 @@ class RoundRecord:
     # wall seconds of its parts: the round (node work and transfers; "statistics" of it: the batch tests' sums),
     # the outer steps, the evaluations (benchmarks.system reads them)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    merge: MergeRecord | None = None  # the step's merge (None: it merged nothing, or the step failed before it)
+    trainers_alive: int = 0  # after the step's merge
+    counted: bool = False  # the ledgers counted the whole step: its rows carry the counters (cluster/ledgers.py)
 
 
 @dataclasses.dataclass
@@ -91,9 +95,10 @@ class RoundDriver:
         self.merge_payload_bytes = self.merge_sync.payload_bytes(self.state_bytes // 4)
         self.tokens_per_sequence = state.nodes[0].data.tokens_per_sequence  # every node reads the same corpus
         self.injected = cfg.injected_faults()
+        # the memory monitor's (training_logs/memory_monitor.py): its sampling during a round, a reading at a stage
         self.round_window: Callable[[int], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext()
+        self.reading: Callable[[str, int], object] = lambda stage, step: None
         self.record = RoundRecord(0)  # the last step's
-        self.merge_record: MergeRecord | None = None  # the last step's merge (None: it merged nothing)
 
     @property
     def trainers(self) -> dict[int, Trainer]:
@@ -105,8 +110,8 @@ class RoundDriver:
 
     # -------------------------------------------------------------------------------------------
     def jobs(self, outer_step: int) -> tuple[list[NodeJob], list[tuple[int, int, int]]]:
-        """This round's node jobs, by the round's plan (cluster/round_schedule.py), and the moves (trainer, from node,
-        to node) that must come first. Nodes away this round get no job; one that comes back joins as a new node
+        """This round's node jobs, by the round's plan (algorithms/round_schedule.py), and the moves (trainer, from
+        node, to node) that must come first. Nodes away this round get no job; one that comes back joins as a new node
         would."""
         state = self.state
         plan = self.schedule.plan(outer_step, {t: tr.requested_batch for t, tr in self.trainers.items()}, state.owner,
@@ -186,7 +191,17 @@ class RoundDriver:
         return self.evaluator.evaluate(self.trainers[trainer_id].synced_model(node_mean)).metrics
 
     def run(self, outer_step: int) -> RoundRecord:
-        """One round for every trainer, outer steps, evaluation, batch tests: the step's record."""
+        """One outer step: the round, its merge (by the policy), the memory readings after each; its record."""
+        record = self.round(outer_step)
+        self.reading("after_outer_step", outer_step)
+        record.merge = self.merge(outer_step, {r["trainer_id"]: r[self.evaluator.metric] for r in record.rows})
+        if record.merge is not None:
+            self.reading("after_merge", outer_step)
+        record.trainers_alive = len(self.trainers)
+        return record
+
+    def round(self, outer_step: int) -> RoundRecord:
+        """One round for every trainer, outer steps, evaluation, batch tests: the step's record, its merge to come."""
         self.record = record = RoundRecord(outer_step)
         before = self.state.snapshot()
         jobs, moves = self.jobs(outer_step)
@@ -286,7 +301,6 @@ class RoundDriver:
     def merge(self, outer_step: int, metrics: dict[int, float]) -> MergeRecord | None:
         """Merge by the policy, then evaluate the result; metrics: each trainer's metric before the merge."""
         policy, state = self.policies.merge_policy, self.state
-        self.merge_record = None
         start = time.perf_counter()
         requested = {t: tr.requested_batch for t, tr in self.trainers.items()}
         plan = policy.decide(outer_step, self.cfg.merge_frequency, requested)
@@ -316,5 +330,4 @@ class RoundDriver:
                  "metric_before": " ".join(f"{metrics[m]:.6g}" for m in plan.members),
                  "metric_weighted_before": sum(w * metrics[m] for m, w in zip(plan.members, plan.weights)),
                  "metric_after": after}
-        self.merge_record = MergeRecord(plan.survivor, list(plan.members), payloads, after, event, seconds)
-        return self.merge_record
+        return MergeRecord(plan.survivor, list(plan.members), payloads, after, event, seconds)

@@ -5,6 +5,7 @@ and its transport is its trainer group's collectives (torchrun_backend.py `_Grou
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -58,11 +59,12 @@ def node_mean(master: dict[str, torch.Tensor], local: dict[int, dict[str, torch.
     return unflatten(total if shares is not None else total / len(good_ids), master, names)
 
 
+@dataclass
 class LocalWeights:
     """The in-process transport: every node is in this process, so nothing crosses."""
 
-    def __init__(self, sync: OuterSync, group_size: int) -> None:
-        self.sync, self.group_size = sync, group_size
+    sync: OuterSync
+    group_size: int
 
     def sum(self, total: torch.Tensor) -> torch.Tensor:
         return total

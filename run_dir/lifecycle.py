@@ -79,8 +79,8 @@ class RunSession:
         """The log file, config.yaml, status.json "running", and the run's first lines."""
         from run_dir.run_state import write_status
         from training_logs.csv_files import cut_jsonl
+        from training_logs.training_monitoring import setup_logging
         from utils.checkpoint import write_atomic
-        from utils.utils import setup_logging
 
         cfg, run_dir, checkpoint = self.cfg, self.run_dir, self.checkpoint
         setup_logging(run_dir / cfg.log_file if self.writes else None)
@@ -124,7 +124,8 @@ class RunSession:
         step = self.resume_step if writes else None
         memory = MemoryMonitor(out_dir / "memory_report", cfg.device_names, cfg.memory_sample_interval_s, step)
         self.logger = TrainingLogger(out_dir / REPORT, tracker, memory,
-                                     "val_accuracy" if classification else "val_perplexity", classification, step)
+                                     "val_accuracy" if classification else "val_perplexity", classification, step,
+                                     cfg.num_outer_steps)
         return self.logger
 
     def complete(self, summary: dict) -> None:

@@ -6,7 +6,6 @@ import operator
 import pytest
 import torch
 
-from algorithms.assignment import assign, assign_nodes, node_counts
 from algorithms.calc_batch import (
     REFERENCE_WIRE,
     STATISTICS_WIRE,
@@ -23,6 +22,7 @@ from algorithms.calc_batch import (
     trainer_statistics,
 )
 from algorithms.policies import BestWithWorst, MergePlan, WorstWithWorst, batch_weights, weighted_average
+from algorithms.round_schedule import assign, assign_nodes, node_counts
 from algorithms.switch_mode import OnlyDataLoader, OnlyGradientAccumulation, ThresholdSwitchMode
 from algorithms.traffic import SyncCost, Traffic, ring_allreduce_bytes
 

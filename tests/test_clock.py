@@ -7,7 +7,7 @@ import pytest
 
 from algorithms.clock import Clock, NodeWork, ThroughputCurve, TrainerWork
 from algorithms.network import Network, parse_network
-from algorithms.node_schedule import NodeSchedule, RoundNodes
+from algorithms.round_schedule import NodeSchedule, RoundNodes, RoundSchedule
 from algorithms.traffic import SyncCost
 from benchmarks.replay import RoundWork, TrainerRound, read_rounds, replay, timeline
 
@@ -194,18 +194,15 @@ def test_a_rounds_plan_is_decided_in_one_answer_before_it():
     1 asks 4. Three nodes present: quotas 2.25 and 0.75, trainer 1 held at one node, trainer 0 takes two; each keeps
     the nodes it had. Switch mode: 12 over max_batch 4 (above 2 x 4) accumulates 3 passes of 4, 4 over 8 runs in one.
     DyLU: at 4 x 3 the curve gives 2500 tokens/s, node 1 a quarter of it: 10 x 625 / 2500 = 2.5 -> 2 inner steps."""
-    from types import SimpleNamespace
 
     from algorithms.switch_mode import ThresholdSwitchMode
-    from cluster.round_schedule import RoundSchedule
 
     events = NodeSchedule.parse([{"node": 3, "leave": 4, "return": 8}, {"node": 1, "slowdown": 4, "from": 2,
                                                                          "until": 6}], total_nodes=4)
     clock = Clock(SLOW, CURVE, [1.0] * 4, MB)
     owners, max_batch = {0: 0, 1: 0, 2: 1, 3: 1}, [4, 4, 8, 4]
     for by_speed, steps in ((False, {0: 10, 1: 10, 2: 10}), (True, {0: 10, 1: 2, 2: 10})):
-        schedule = RoundSchedule(clock, events, ThresholdSwitchMode(),
-                                 SimpleNamespace(num_inner_steps=10, inner_steps_by_speed=by_speed))
+        schedule = RoundSchedule(clock, events, ThresholdSwitchMode(), num_inner_steps=10, by_speed=by_speed)
         plan = schedule.plan(4, {0: 12, 1: 4}, owners, max_batch)
         assert plan.present == [0, 1, 2] and plan.slowdown == {1: 4.0}
         assert plan.changes == ["node 3 leaves until outer step 8"]

@@ -112,9 +112,9 @@ def test_the_round_driver_decides_and_the_ledgers_count():
     assert "inner_steps" in touched and "schedule" in touched  # what is decided before a round (RoundSchedule)
     from_clock = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                   and node.module == "algorithms.clock" for alias in node.names}
-    assert from_clock == {"NodeWork"}  # the record's type only (the node schedule is algorithms/node_schedule.py)
+    assert from_clock == {"NodeWork"}  # the record's type only (the node schedule is algorithms/round_schedule.py)
     ledger_callers = {name for name, path in _project_modules().items()
-                      if re.search(r"\bledgers\.(round|merge)\(", path.read_text())}
+                      if re.search(r"\bledgers\.count\(", path.read_text())}
     assert ledger_callers == {"cluster.controller"}
 
 

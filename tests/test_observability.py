@@ -4,6 +4,7 @@ plots, and loggers hammered from many threads."""
 import csv
 import glob
 import json
+import logging
 import os
 import re
 import socket
@@ -162,38 +163,55 @@ class _Calls(Tracker):
         self.calls.append((step, dict(metrics)))
 
 
-def test_a_step_reaches_the_trackers_in_one_call_per_logger_call_with_its_memory_readings(tmp_path):
-    from cluster.round_driver import RoundRecord
+def test_a_step_reaches_the_trackers_in_one_call_with_its_memory_readings(tmp_path, caplog):
+    from cluster.round_driver import MergeRecord, RoundRecord
 
     tracker = _Calls()
     memory = MemoryMonitor(tmp_path / "mem", ["cpu"])
-    logger = TrainingLogger(tmp_path / "report", tracker, memory)
-    memory.record("before_round", 1)
-    memory.record("round_peak", 1)
+    logger = TrainingLogger(tmp_path / "report", tracker, memory, num_outer_steps=3)
+    for stage in ("before_round", "round_peak", "after_outer_step", "after_merge"):
+        memory.record(stage, 1)
     node = {"outer_step": 1, "node_id": 0, "trainer_id": 0, "compute_s": 2.0, "idle_s": 0.5}
     fault = {"outer_step": 1, "trainer_id": 0, "node_id": 1, "kind": "nan", "action": "skip", "message": "x"}
     loss = {"outer_step": 1, "trainer_id": 0, "node_id": 0, "inner_step": 0, "loss": "6.1", "micro_batch": 2,
             "accumulation_steps": 1, "learning_rate": 0.003}
-    logger.log_round(RoundRecord(1, faults=[fault], step_losses=[loss], node_times=[node]))
-    [(step, scalars)] = tracker.calls  # the round's files' scalars and the readings taken during it, together
+    rows = [{"outer_step": 1, "trainer_id": t, "nodes": str(t), "requested_batch": 2, "loader_batch": 2,
+             "next_requested_batch": 4, "accumulation_steps": 1, "train_loss": 6.0, "val_perplexity": ppl,
+             "global_tokens": 64} for t, ppl in ((0, 400.0), (1, 300.0))]
+    event = {"outer_step": 1, "survivor": 0, "merged": "1", "weights": "0.5000 0.5000", "metric_before": "400 300",
+             "metric_weighted_before": 350.0, "metric_after": 320.0}
+    record = RoundRecord(1, faults=[fault], step_losses=[loss], node_times=[node], rows=rows, trainers_alive=1,
+                         merge=MergeRecord(0, [0, 1], [100], 320.0, event), counted=True)
+    with caplog.at_level(logging.INFO):
+        best = logger.log_step(record)
+    [(step, scalars)] = tracker.calls  # the round's files, the step's rows and the readings taken during it, together
     assert step == 1 and scalars["node_0/compute_s"] == 2.0 and scalars["node_0/idle_s"] == 0.5
-    assert scalars["global/node_faults"] == 1.0
-    assert {k.split("/")[0] for k in scalars if k.startswith("memory")} == {"memory_before_round", "memory_round_peak"}
-    memory.record("after_outer_step", 1)
-    logger.log_step([{"outer_step": 1, "trainer_id": 0, "requested_batch": 2, "next_requested_batch": 4,
-                      "accumulation_steps": 1, "train_loss": 6.0, "val_perplexity": 400.0, "global_tokens": 64}],
-                    None, 1)
-    assert len(tracker.calls) == 2 and tracker.calls[1][0] == 1
-    assert tracker.calls[1][1]["global/val_perplexity"] == 400.0
-    assert "memory_after_outer_step/process_rss_mib" in tracker.calls[1][1] and not memory.pending
-    memory.record("before_round", 2)  # a step that failed before anything of it was logged: sent at the close
+    assert scalars["global/node_faults"] == 1.0 and scalars["merge/val_perplexity_after"] == 320.0
+    assert {k.split("/")[0] for k in scalars if k.startswith("memory")} == {
+        "memory_before_round", "memory_round_peak", "memory_after_outer_step", "memory_after_merge"}
+    assert best == scalars["global/val_perplexity"] == 320.0 and not memory.pending  # the merged model, alive after it
+    assert ("[outer 1/3] trainers 2 | T0 nodes [0] req 2 loader 2x1 loss 6.000 perplexity 400 -> req 4 | "
+            "T1 nodes [1] req 2 loader 2x1 loss 6.000 perplexity 300 -> req 4 | "
+            "merged T1 into T0 (weights 0.5000 0.5000; perplexity 400 300 -> 320)") in caplog.messages
+    # a step that failed in its round: the round's files and scalars, no rows, no console line
+    memory.record("before_round", 2)
+    failed = RoundRecord(2, faults=[{**fault, "outer_step": 2, "action": "stop"}])
+    assert logger.log_step(failed) is None
+    assert tracker.calls[1][0] == 2 and tracker.calls[1][1]["global/node_faults"] == 2.0
+    assert "memory_before_round/process_rss_mib" in tracker.calls[1][1]
+    memory.record("before_round", 3)  # a step that failed before anything of it was logged: sent at the close
     logger.close()
-    assert tracker.calls[2][0] == 2 and set(tracker.calls[2][1]) == {
+    assert tracker.calls[2][0] == 3 and set(tracker.calls[2][1]) == {
         f"memory_before_round/{k}" for k in ("process_rss_mib", "system_used_mib", "system_available_mib")}
     with (tmp_path / "report" / "node_clock.csv").open() as f:
         assert [r["compute_s"] for r in csv.DictReader(f)] == ["2"]
     with (tmp_path / "report" / "step_loss_log.csv").open() as f:
         assert [r["loss"] for r in csv.DictReader(f)] == ["6.1"]
+    with (tmp_path / "report" / "training_log.csv").open() as f:
+        assert [(r["outer_step"], r["trainer_id"], r["trainers_alive"]) for r in csv.DictReader(f)] == [
+            ("1", "0", "1"), ("1", "1", "1")]
+    with (tmp_path / "report" / "fault_events.csv").open() as f:
+        assert [r["action"] for r in csv.DictReader(f)] == ["skip", "stop"]
 
 
 def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path):
@@ -203,14 +221,15 @@ def test_loggers_hammered_from_many_threads_lose_and_duplicate_nothing(tmp_path)
 
     def work(t):
         for i in range(per_thread):
-            logger.log_round(SimpleNamespace(
-                outer_step=t, comm=None, faults=[], node_times=None, inner_evals=[],
+            logger.log_step(SimpleNamespace(
+                outer_step=i, comm=None, faults=[], node_times=None, inner_evals=[],
                 step_losses=[{"outer_step": t, "trainer_id": t, "node_id": i, "inner_step": 0, "loss": 1.0,
-                              "micro_batch": 1, "accumulation_steps": 1, "learning_rate": 0.1}]))
+                              "micro_batch": 1, "accumulation_steps": 1, "learning_rate": 0.1}],
+                counted=True, merge=None, trainers_alive=1,
+                rows=[{"outer_step": i, "trainer_id": t, "nodes": "0", "requested_batch": 1, "loader_batch": 1,
+                       "next_requested_batch": 1, "accumulation_steps": 1, "train_loss": 1.0, "val_perplexity": 2.0,
+                       "global_tokens": 0, "syncs": 0, "weights_traffic_bytes": 0}]))
             jsonl.log({"thread": float(t), "i": float(i)}, i)
-            logger.log_step([{"outer_step": i, "trainer_id": t, "requested_batch": 1, "next_requested_batch": 1,
-                              "accumulation_steps": 1, "train_loss": 1.0, "val_perplexity": 2.0, "global_tokens": 0,
-                              "syncs": 0, "weights_traffic_bytes": 0}], None, 1)
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     for th in pool:

@@ -33,20 +33,17 @@ def test_every_key_a_run_writes_is_a_column_of_its_record(tiny_config, monkeypat
     from training_logs.training_monitoring import TrainingLogger
 
     seen: dict[str, list[dict]] = {"rows": [], "merges": [], "nodes": [], "losses": []}
-    originals = {name: getattr(TrainingLogger, name) for name in ("log_step", "log_round")}
+    original = TrainingLogger.log_step
 
-    def log_step(self, rows, merge_event, trainers_alive):
-        seen["rows"] += [dict(r) for r in rows]
-        seen["merges"] += [merge_event] if merge_event else []
-        return originals["log_step"](self, rows, merge_event, trainers_alive)
-
-    def log_round(self, record):
+    def log_step(self, record):
+        if record.counted:
+            seen["rows"] += [dict(r) for r in record.rows]
+            seen["merges"] += [record.merge.event] if record.merge is not None else []
         seen["nodes"] += record.node_times or []
         seen["losses"] += record.step_losses or []
-        return originals["log_round"](self, record)
+        return original(self, record)
 
-    for name, fn in (("log_step", log_step), ("log_round", log_round)):
-        monkeypatch.setattr(TrainingLogger, name, fn)
+    monkeypatch.setattr(TrainingLogger, "log_step", log_step)
     run_dir, _ = train(tiny_config("run_name=records", "inject_fault=2:1:nan", "on_node_fault=skip"))
     assert seen["rows"] and seen["merges"] and seen["nodes"] and seen["losses"]
     for key, record in (("rows", TrainerRow), ("merges", MergeEvent), ("nodes", NodeTime), ("losses", StepLoss)):

@@ -1,7 +1,8 @@
-"""Everything a run records: training_log.csv (one row per trainer per outer step), merge_events.csv,
-step_loss_log.csv, fault_events.csv, node_clock.csv (the simulated clock, one row per node per outer step),
-the memory monitor, the trackers and the plots. CSV writes go
-through locks, so concurrent callers never interleave.
+"""Everything a run records: the console and the run's log (`setup_logging`; a step's console line is written with
+its rows), training_log.csv (one row per trainer per outer step), merge_events.csv, step_loss_log.csv,
+fault_events.csv, node_clock.csv (the simulated clock, one row per node per outer step), the memory monitor, the
+trackers and the plots. A step is logged in one call (`log_step`). CSV writes go through locks, so concurrent callers
+never interleave.
 
 On a resume (resume_step = the checkpoint's outer step) every file keeps its rows up to that step and
 new rows are appended: rows written after the checkpoint by the interrupted run are dropped, so the
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import csv
 import logging
+import sys
 import threading
 from pathlib import Path
+
+from tqdm import tqdm
 
 from algorithms.traffic import Traffic
 from training_logs.alive import models_alive
@@ -45,12 +49,42 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(parts)
 
 
+class _TqdmHandler(logging.StreamHandler):
+    """Console lines that do not break the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # pragma: no cover - logging must never crash training
+            self.handleError(record)
+
+
+def setup_logging(log_file: Path | None) -> None:
+    """The console (lines that keep the progress bar whole) and, when given, the run's log file."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.INFO)
+    console = _TqdmHandler()
+    console.setFormatter(logging.Formatter("%(message)s"))
+    # records with extra={"file_only": True}: the run's log keeps them; the console gets them from main()
+    console.addFilter(lambda record: not getattr(record, "file_only", False))
+    root.addHandler(console)
+    if log_file is not None:
+        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(file_handler)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 class TrainingLogger:
     def __init__(self, report_dir: Path, tracker: Tracker, memory: MemoryMonitor, metric: str = "val_perplexity",
-                 higher_is_better: bool = False, resume_step: int | None = None) -> None:
+                 higher_is_better: bool = False, resume_step: int | None = None, num_outer_steps: int = 0) -> None:
         report_dir.mkdir(parents=True, exist_ok=True)
         self.report_dir, self.tracker, self.memory = report_dir, tracker, memory
         self.metric, self.higher_is_better = metric, higher_is_better
+        self.num_outer_steps = num_outer_steps  # the console line's "[outer 2/12]" (0: "[outer 2]")
         self.csv_path = report_dir / CSV_FILES[TrainerRow]
         self.merge_path = report_dir / CSV_FILES[MergeEvent]
         self.fault_path = report_dir / CSV_FILES[FaultEvent]
@@ -92,11 +126,25 @@ class TrainingLogger:
         self.capped_requests = int(state.get("capped_requests", 0))  # checkpoints of older versions lack them
         self.largest_capped_request = int(state.get("largest_capped_request", 0))
 
-    def log_round(self, record) -> None:
-        """What a round did (cluster/round_driver.py RoundRecord; also what a failed step did before it failed):
-        fault_events.csv, step_loss_log.csv, node_clock.csv (the clock's view of each node's round), inner_eval.csv,
-        and their scalars in one call (node_<id>/compute_s, idle_s; under torchrun, comm/*: what this rank's
-        collectives cost since the last round)."""
+    def log_step(self, record) -> float | None:
+        """What an outer step did (cluster/round_driver.py RoundRecord), in one call: the round's files
+        (fault_events.csv, step_loss_log.csv, node_clock.csv, inner_eval.csv: also what a failed step did before it
+        failed), then, once the ledgers counted the whole step, its rows, its merge and the console line; their
+        scalars and the memory readings of the step reach the trackers together. Returns the metric of the best
+        model alive after the step (None: the step failed)."""
+        scalars = self._round_files(record)
+        best = None
+        if record.counted:
+            merge_event = record.merge.event if record.merge is not None else None
+            scalars.update(self._step_rows(record.rows, merge_event, record.trainers_alive))
+            best = scalars[f"global/{self.metric}"]
+            log.info(self._step_line(record.outer_step, record.rows, merge_event))
+        self._send(scalars, record.outer_step)
+        return best
+
+    def _round_files(self, record) -> dict[str, float]:
+        """The round's files, and their scalars (node_<id>/compute_s, idle_s; under torchrun, comm/*: what this
+        rank's collectives cost since the last round)."""
         scalars = {}
         if record.comm is not None:
             comm = record.comm
@@ -117,7 +165,7 @@ class TrainingLogger:
             if record.step_losses:  # as the round driver gives them (each loss already at 6 digits)
                 with self.step_loss_path.open("a", newline="") as f:
                     csv.writer(f).writerows([row[c] for c in STEP_LOSS_COLUMNS] for row in record.step_losses)
-        self._send(scalars, record.outer_step)
+        return scalars
 
     def _send(self, scalars: dict[str, float], step: int) -> None:
         """The step's scalars to the trackers in one call, the memory monitor's readings of the step with them."""
@@ -147,8 +195,9 @@ class TrainingLogger:
         scalars["global/trainers_alive"] = float(len(trainer_ids))
         self.tracker.log(scalars, 0)
 
-    def log_step(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> float:
-        """Record an outer step; returns the metric of the best model alive after it (its merge done)."""
+    def _step_rows(self, rows: list[dict], merge_event: dict | None, trainers_alive: int) -> dict[str, float]:
+        """training_log.csv's rows and merge_events.csv's row of a step, and their scalars (global/<metric>: the best
+        model alive after the step's merge)."""
         for row in rows:
             row["trainers_alive"] = trainers_alive
         with self._lock:
@@ -169,7 +218,6 @@ class TrainingLogger:
                     log.warning("batch test: trainer %s asked for a batch of %d at outer step %s; max_requested_batch "
                                 "caps it at %d (the run follows the cap, not the test: raise max_requested_batch to "
                                 "follow it)", r["trainer_id"], asked, r["outer_step"], r["next_requested_batch"])
-        step = rows[0]["outer_step"]
         scalars = {f"trainer_{r['trainer_id']}/{k}": float(r[k]) for r in rows for k in TRACKED if k in r}
         pick = max if self.higher_is_better else min
         alive = models_alive({r["trainer_id"]: r[self.metric] for r in rows}, [merge_event] if merge_event else [])
@@ -188,8 +236,23 @@ class TrainingLogger:
             **{f"clock/{k}": float(rows[-1][k]) for k in ("utilisation", "goodput_tokens_per_s") if k in rows[-1]},
             "clock/sim_time_s": max(float(r.get("sim_time_s", 0.0)) for r in rows),
         })
-        self._send(scalars, step)
-        return scalars[f"global/{self.metric}"]
+        return scalars
+
+    def _step_line(self, outer_step: int, rows: list[dict], merge_event: dict | None) -> str:
+        """The console's line for a step: each trainer's nodes, batch, loss, metric and next batch; the merge."""
+        metric = self.metric
+        total = f"/{self.num_outer_steps}" if self.num_outer_steps else ""
+        parts = [f"[outer {outer_step}{total}] trainers {len(rows)}"]
+        for r in rows:
+            parts.append(f"T{r['trainer_id']} nodes [{r['nodes']}] req {r['requested_batch']} "
+                         f"loader {r['loader_batch']}x{r['accumulation_steps']} loss {r['train_loss']:.3f} "
+                         f"{metric[4:]} {r[metric]:.4g} -> req {r['next_requested_batch']}")
+        if merge_event:
+            parts.append(f"merged T{merge_event['merged']} into T{merge_event['survivor']} "
+                         f"(weights {merge_event['weights']}; {metric[4:]} "
+                         f"{' '.join(f'{float(v):.4g}' for v in merge_event['metric_before'].split())} -> "
+                         f"{merge_event['metric_after']:.4g})")
+        return " | ".join(parts)
 
     def plot(self, step: int) -> list[Path]:
         from training_logs.plots import plot_step_loss, plot_training  # matplotlib: only a run that plots loads it

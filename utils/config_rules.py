@@ -87,7 +87,7 @@ def stacked_refusals(cfg: ConfigFields) -> None:
 
 def multi_instance_warnings(cfg: ConfigFields) -> list[str]:
     """Trainers whose batch cannot grow until a merge; merges that never happen."""
-    from algorithms.assignment import node_counts
+    from algorithms.round_schedule import node_counts
 
     out = []
     if cfg.sampling_method in ADAPTIVE_TESTS and cfg.variance_estimator == "nodes":
@@ -107,7 +107,7 @@ def multi_instance_warnings(cfg: ConfigFields) -> list[str]:
 def clock_warnings(cfg: ConfigFields) -> list[str]:
     """A node_schedule event after the last outer step; a curve file that is not shaped like a throughput curve."""
     from algorithms.clock import ThroughputCurve
-    from algorithms.node_schedule import NodeSchedule
+    from algorithms.round_schedule import NodeSchedule
 
     out = []
     for i, event in enumerate(NodeSchedule.parse(cfg.node_schedule, cfg.total_nodes).events):
@@ -172,7 +172,7 @@ def check_clock(cfg: ConfigFields) -> None:
     """The cluster description (network, throughput, node_schedule, inner_steps_by_speed), before any work."""
     from algorithms.clock import ThroughputCurve
     from algorithms.network import parse_network
-    from algorithms.node_schedule import NodeSchedule
+    from algorithms.round_schedule import NodeSchedule
 
     try:
         parse_network(cfg.network)
