@@ -39,8 +39,9 @@ TINY = ["num_outer_steps=3", "num_inner_steps=3", "num_init_trainers=2", "nodes_
         "embedded_sources=[tiny]", "clearml_mode=off", "cpu_threads=1"]
 
 
-class Walk:
-    """The moves between the repository's files while active (see the module's docstring)."""
+class FileMoves:
+    """What both counts keep: the repository's files in the order entered (`seen`), the file executing now, and the
+    returns into each file; `_mine` tells the repository's frames from the libraries'."""
 
     def __init__(self, root: Path) -> None:
         self.root = str(root) + "/"
@@ -48,7 +49,6 @@ class Walk:
         self.current: str | None = None
         self.seen: list[str] = []
         self.returns: Counter = Counter()  # file -> returns into it
-        self.sites: dict[str, set] = {}  # file -> the distinct places returned to: (from file, function, line)
 
     def _mine(self, frame):
         """The innermost repository frame at or above `frame`, or None."""
@@ -58,6 +58,14 @@ class Walk:
                 return frame
             frame = frame.f_back
         return None
+
+
+class Walk(FileMoves):
+    """The moves between the repository's files while active (see the module's docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.sites: dict[str, set] = {}  # file -> the distinct places returned to: (from file, function, line)
 
     def __call__(self, frame, event, arg) -> None:
         if event not in ("call", "return"):
@@ -77,7 +85,7 @@ class Walk:
         return len(self.sites.get(name, ()))
 
 
-class Reading(Walk):
+class Reading(FileMoves):
     """A newcomer's reading (see the module's docstring): `seen`, the files in the order entered; `returns`, per file,
     the returns into it from a function it called; `calls_back`, per file, the calls into it after the reading had
     left it. A generator is read at its first call (its later resumptions are calls to a function already read)."""
@@ -126,7 +134,7 @@ class StepWindow:
     """Hands the profile's events to each of `counters` from the call of ClusterController.run_outer_step(step) to
     the next call of it (its frame's own arguments say which step; no engine code is patched)."""
 
-    def __init__(self, step: int, *counters: Walk) -> None:
+    def __init__(self, step: int, *counters: FileMoves) -> None:
         self.step, self.counters, self.active, self.done = step, counters, False, False
 
     def __call__(self, frame, event, arg) -> None:
