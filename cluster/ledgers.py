@@ -34,7 +34,7 @@ class Ledgers:
     def _round(self, record) -> None:
         """A round: its node moves and collectives counted, its round on the clock (node_clock.csv's rows, each
         trainer row's sim_time_s, sim_compute_s, sim_idle_s), its evaluations seen."""
-        # the state's own traffic counters (a rollback replaces them)
+        # the traffic counters the state checkpoints (counted once the step is whole: a rollback never undoes them)
         self.state.traffic.round([node.receives_bytes for work in record.work.values() for node in work
                                   if node.receives_bytes], record.synced, record.costs, self.param_bytes)
         times = self.clock.round([TrainerWork(t, record.work[t], record.costs[t]) for t in sorted(record.work)],
